@@ -1,0 +1,51 @@
+"""`kvferry` command line: a table of subcommands, each imported only when it runs.
+
+Lazy imports keep `kvferry router` usable in an image without kopf and `kvferry render` usable
+without vLLM, NIXL or torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, function, one-line help)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "demo": ("kvferry.local.demo", "main", "full stack on this machine: control plane, operator, vLLM P/D"),
+    "transfer-demo": ("kvferry.connector.demo", "main", "two-process push transfer over real NIXL"),
+    "router": ("kvferry.connector.router.cli", "main", "OpenAI-compatible P/D router"),
+    "bench": ("kvferry.connector.loadbench", "main", "TTFT/TPOT sweep against an OpenAI endpoint"),
+    "serve": ("kvferry.connector.serve", "main", "start vLLM with kvferry's launch fixes"),
+    "preflight": ("kvferry.connector.preflight", "main", "check NIXL, backend plugins and EFA"),
+    "render": ("kvferry.operator.render_cli", "main", "print the objects a DisaggregatedInference makes"),
+    "operator": ("kvferry.operator.run", "main", "run the operator (kopf)"),
+    "crd": ("kvferry.operator.crdgen", "main", "write the CRD generated from operator/spec.py"),
+    "cluster": ("kvferry.local.controlplane.cli", "main", "build/start/stop the local control plane"),
+    "model": ("kvferry.local.tinymodel", "main", "build the tiny local test model and tokenizer"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: kvferry <command> [args...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"kvferry: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[name]
+    entry = getattr(importlib.import_module(module), func)
+    result = entry(rest)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,3 @@
+from kvferry.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""kvferry.local: run the stack on one machine (control plane from Go modules, node agent, demo)."""

@@ -1,0 +1,1 @@
+"""kvferry.operator: DisaggregatedInference reconciled into prefill/decode StatefulSets and a router."""

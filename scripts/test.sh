@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The test command: set up (idempotent), lint, then run every suite (unit, nixl, cluster, e2e).
+# Extra arguments go to pytest, e.g. `scripts/test.sh -m "not e2e"`.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(dirname "$here")"
+"$here/setup.sh"
+. "$here/env.sh"
+cd "$root"
+ruff check .
+ruff format --check .
+exec python -m pytest "$@"
