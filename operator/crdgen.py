@@ -1,0 +1,294 @@
+"""CRD generation step: spec.py's dataclasses and rules -> crds/*.yaml and docs/api-reference.md.
+
+`kvferry crd` writes the files; `kvferry crd --check` exits 1 when the committed ones are stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kvferry.operator import spec as s
+
+ROOT = Path(__file__).resolve().parent.parent
+CRD_PATH = Path("crds/disaggregatedinferences.yaml")
+PEERING_PATH = Path("crds/kopf-peerings.yaml")
+DOC_PATH = Path("docs/api-reference.md")
+
+PRINTER_COLUMNS = [
+    {"name": "Mode", "type": "string", "jsonPath": ".spec.kvTransfer.mode"},
+    {
+        "name": "Prefill",
+        "type": "string",
+        "jsonPath": ".status.prefill.summary",
+        "description": "ready/desired",
+    },
+    {
+        "name": "Decode",
+        "type": "string",
+        "jsonPath": ".status.decode.summary",
+        "description": "ready/desired",
+    },
+    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {"name": "Transfers", "type": "integer", "jsonPath": ".status.transfer.transfers"},
+    {"name": "Failed", "type": "integer", "jsonPath": ".status.transfer.failures"},
+    {"name": "Xfer-P50", "type": "string", "jsonPath": ".status.transfer.p50"},
+    {"name": "Revision", "type": "string", "jsonPath": ".status.revision", "priority": 1},
+    {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+_SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean"}
+_FREE_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+
+def type_schema(tp: Any, extra: dict[str, Any], with_defaults: bool) -> dict[str, Any]:
+    """OpenAPI v3 schema of one Python type (the subset spec.py uses)."""
+    tp, _ = s.unwrap_optional(tp)
+    if dataclasses.is_dataclass(tp):
+        return object_schema(tp, with_defaults)
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        items = type_schema(item_tp, extra.get("items", {}), with_defaults)
+        return {"type": "array", "items": items, **{k: v for k, v in extra.items() if k != "items"}}
+    if origin is dict:
+        _, val_tp = typing.get_args(tp)
+        if val_tp is str:
+            return {"type": "object", "additionalProperties": {"type": "string"}}
+        return dict(_FREE_OBJECT)
+    return {"type": _SCALARS[tp], **extra}
+
+
+def object_schema(cls: type, with_defaults: bool = True) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    props: dict[str, Any] = {}
+    required: list[str] = []
+    for fl in dataclasses.fields(cls):
+        key = s.camel(fl.name)
+        prop = {
+            "description": fl.metadata["doc"],
+            **type_schema(hints[fl.name], fl.metadata["schema"], with_defaults),
+        }
+        if fl.default is dataclasses.MISSING and fl.default_factory is dataclasses.MISSING:
+            required.append(key)
+        elif with_defaults:
+            default = fl.default if fl.default_factory is dataclasses.MISSING else fl.default_factory()
+            if dataclasses.is_dataclass(default):
+                # `{}` makes the API server apply the nested defaults, so CEL always sees them.
+                prop["default"] = {}
+            elif default is not None:
+                prop["default"] = default
+        props[key] = prop
+    schema: dict[str, Any] = {"type": "object", "properties": props}
+    if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("):
+        schema = {"description": cls.__doc__.strip(), **schema}
+    if required:
+        schema["required"] = required
+    return schema
+
+
+def crd() -> dict[str, Any]:
+    spec_schema = object_schema(s.Spec)
+    spec_schema["x-kubernetes-validations"] = [
+        {"rule": r.cel, "message": r.message, "fieldPath": r.field_path, "reason": "FieldValueInvalid"}
+        for r in s.RULES
+    ]
+    status_schema = object_schema(s.Status, with_defaults=False)
+    conditions = status_schema["properties"]["conditions"]
+    conditions.update({"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    root = {
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema,
+            "status": status_schema,
+        },
+        "x-kubernetes-validations": [{"rule": s.NAME_RULE[0], "message": s.NAME_RULE[1]}],
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{s.PLURAL}.{s.GROUP}"},
+        "spec": {
+            "group": s.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": s.KIND,
+                "listKind": f"{s.KIND}List",
+                "plural": s.PLURAL,
+                "singular": s.SINGULAR,
+                "shortNames": s.SHORT_NAMES,
+                "categories": ["kvferry"],
+            },
+            "versions": [
+                {
+                    "name": s.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": root},
+                    "subresources": {
+                        "status": {},
+                        # The scale subresource drives decode (the role users scale most); prefill scales
+                        # through spec.prefill.replicas.
+                        "scale": {
+                            "specReplicasPath": ".spec.decode.replicas",
+                            "statusReplicasPath": ".status.decode.replicas",
+                            "labelSelectorPath": ".status.decode.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                }
+            ],
+        },
+    }
+
+
+def peering_crds() -> list[dict[str, Any]]:
+    """kopf's peering resources (kopf.dev), needed for leader election between operator replicas."""
+    out = []
+    for kind, scope in (("ClusterKopfPeering", "Cluster"), ("KopfPeering", "Namespaced")):
+        plural = kind.lower() + "s"
+        out.append(
+            {
+                "apiVersion": "apiextensions.k8s.io/v1",
+                "kind": "CustomResourceDefinition",
+                "metadata": {"name": f"{plural}.kopf.dev"},
+                "spec": {
+                    "group": "kopf.dev",
+                    "scope": scope,
+                    "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+                    "versions": [
+                        {
+                            "name": "v1",
+                            "served": True,
+                            "storage": True,
+                            "schema": {
+                                "openAPIV3Schema": {
+                                    "type": "object",
+                                    "properties": {
+                                        "status": {
+                                            "type": "object",
+                                            "x-kubernetes-preserve-unknown-fields": True,
+                                        }
+                                    },
+                                }
+                            },
+                        }
+                    ],
+                },
+            }
+        )
+    return out
+
+
+def _doc_type(tp: Any) -> str:
+    tp, optional = s.unwrap_optional(tp)
+    if dataclasses.is_dataclass(tp):
+        name = f"[{tp.__name__}](#{tp.__name__.lower()})"
+    elif typing.get_origin(tp) is list:
+        name = f"list of {_doc_type(typing.get_args(tp)[0])}"
+    elif typing.get_origin(tp) is dict:
+        name = "map string→string" if typing.get_args(tp)[1] is str else "object"
+    else:
+        name = _SCALARS[tp]
+    return name + (" (optional)" if optional else "")
+
+
+def _doc_table(cls: type) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    lines = [
+        f"### {cls.__name__}",
+        "",
+        (cls.__doc__ or "").strip(),
+        "",
+        "| field | type | default | description |",
+        "|---|---|---|---|",
+    ]
+    for fl in dataclasses.fields(cls):
+        schema = fl.metadata["schema"]
+        if fl.default is dataclasses.MISSING and fl.default_factory is dataclasses.MISSING:
+            default = "**required**"
+        elif fl.default_factory is not dataclasses.MISSING:
+            value = fl.default_factory()
+            default = "" if dataclasses.is_dataclass(value) else f"`{value}`"
+        else:
+            default = "" if fl.default is None else f"`{fl.default}`"
+        bounds = [f"{k} {v}" for k, v in schema.items() if k in ("minimum", "maximum", "maxItems")]
+        if "enum" in schema:
+            bounds.append("one of " + ", ".join(f"`{v}`" for v in schema["enum"]))
+        doc = fl.metadata["doc"] + (f" ({'; '.join(bounds)})" if bounds else "")
+        lines.append(f"| `{s.camel(fl.name)}` | {_doc_type(hints[fl.name])} | {default} | {doc} |")
+    return [*lines, ""]
+
+
+def api_reference() -> str:
+    lines = [
+        "# API reference: DisaggregatedInference",
+        "",
+        "<!-- Generated by `kvferry crd` from operator/spec.py. Do not edit by hand. -->",
+        "",
+        f"`apiVersion: {s.GROUP}/{s.VERSION}`, `kind: {s.KIND}` (short name `{s.SHORT_NAMES[0]}`). "
+        "Status and scale subresources; `kubectl scale` sets `spec.decode.replicas`.",
+        "",
+        "## Spec",
+        "",
+    ]
+    for cls in (s.Spec, s.KvTransfer, s.Engine, s.Role, s.Router):
+        lines += _doc_table(cls)
+    lines += [
+        "## Validation rules (CEL, checked by the API server and by `kvferry render`)",
+        "",
+        "| field | rule | message |",
+        "|---|---|---|",
+    ]
+    for r in s.RULES:
+        lines.append(f"| `spec{r.field_path}` | `{r.cel.replace('|', '&#124;')}` | {r.message} |")
+    lines += [f"| `metadata.name` | `{s.NAME_RULE[0]}` | {s.NAME_RULE[1]} |", "", "## Status", ""]
+    for cls in (s.Status, s.RoleStatus, s.RouterStatus, s.TransferStatus, s.Condition):
+        lines += _doc_table(cls)
+    lines += ["## Printer columns", "", "| column | JSONPath |", "|---|---|"]
+    lines += [f"| {c['name']} | `{c['jsonPath']}` |" for c in PRINTER_COLUMNS]
+    return "\n".join(lines) + "\n"
+
+
+def dump(docs: list[dict[str, Any]]) -> str:
+    header = "# Generated by `kvferry crd` from operator/spec.py. Do not edit by hand.\n"
+    return header + yaml.safe_dump_all(docs, sort_keys=False, width=120)
+
+
+def outputs() -> dict[Path, str]:
+    return {CRD_PATH: dump([crd()]), PEERING_PATH: dump(peering_crds()), DOC_PATH: api_reference()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvferry crd", description=__doc__)
+    parser.add_argument("--root", type=Path, default=ROOT, help="repository root to write into")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the files are not up to date")
+    parser.add_argument("--stdout", action="store_true", help="print the CRD instead of writing files")
+    args = parser.parse_args(argv)
+    if args.stdout:
+        sys.stdout.write(outputs()[CRD_PATH])
+        return 0
+    stale = []
+    for rel, text in outputs().items():
+        path = args.root / rel
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(str(rel))
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
+    if stale:
+        print(f"stale generated files (run `kvferry crd`): {', '.join(stale)}", file=sys.stderr)
+        return 1
+    return 0
