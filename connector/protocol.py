@@ -1,0 +1,404 @@
+"""Protocol step: pure producer and consumer state machines (registration, rendezvous, completion).
+
+No I/O and no clock: every input is a method call carrying `now`, every output is a list of
+actions the caller carries out (send a notification, start a WRITE, release blocks, report a result).
+Keys are (request_id, attempt), so a retried request never matches an older attempt's blocks or
+registration. Every map is bounded in size and every entry in time:
+
+producer: finished blocks live until written or until their lease expires, but never while a WRITE
+  reads them; parked registrations expire after `registration_ttl_s`; when an entry is dropped the
+  consumer gets an explicit Failure so it fails fast instead of waiting for its deadline.
+consumer: an expected transfer completes when every expected producer rank has reported (Done or
+  Failure), or fails at its deadline; notices that arrive before the expectation are buffered.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvferry.connector.layout import overlapping_ranks
+from kvferry.connector.wire import Done, Failure, Registration
+
+Key = tuple[str, int]  # (request_id, attempt)
+
+
+# ---- actions ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StartWrite:
+    """Producer: write `block_ids` (num_tokens tokens) to the consumer rank named in `reg`."""
+
+    key: Key
+    reg: Registration
+    block_ids: list[list[int]]
+    num_tokens: int
+    registration_to_match_s: float  # how long the earlier of the two halves waited
+
+
+@dataclass(frozen=True)
+class SendFailure:
+    """Producer: tell the consumer rank of `reg` that it will not get this KV, and why."""
+
+    reg: Registration
+    reason: str
+
+
+@dataclass(frozen=True)
+class Release:
+    """Producer: the source blocks of `key` may be freed (reason: sent, lease_expired, ...)."""
+
+    key: Key
+    reason: str
+
+
+@dataclass(frozen=True)
+class Reject:
+    """Either side: an input was ignored (reason is a metric label, detail is for the log)."""
+
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Register:
+    """Consumer: send the registration for `key` to these producer ranks."""
+
+    key: Key
+    producer_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SendCancel:
+    """Consumer: tell these producer ranks not to start writing `key`."""
+
+    key: Key
+    producer_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Received:
+    """Consumer: all KV of `key` has landed."""
+
+    key: Key
+    wait_s: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Consumer: `key` will not be (fully) received; the caller reports a load failure."""
+
+    key: Key
+    reason: str
+
+
+Action = StartWrite | SendFailure | Release | Reject | Register | SendCancel | Received | Failed
+
+
+@dataclass(frozen=True)
+class Limits:
+    lease_s: float = 30.0  # producer: how long finished blocks wait for a registration
+    registration_ttl_s: float = 60.0  # producer: how long a registration waits for its prefill
+    early_notice_ttl_s: float = 60.0  # consumer: how long a notice waits for its expectation
+    max_entries: int = 4096  # per map
+
+
+# ---- producer -----------------------------------------------------------------------------------
+@dataclass
+class _Finished:
+    block_ids: list[list[int]]
+    num_tokens: int
+    consumer_engine: str
+    since: float
+    expires: float
+    targets: set[int] | None = None  # consumer ranks to write, known from the first registration
+    regs: dict[int, Registration] = field(default_factory=dict)
+    inflight: set[int] = field(default_factory=set)
+    done: set[int] = field(default_factory=set)
+    failed: bool = False
+
+
+class ProducerCore:
+    """Rendezvous of 'prefill finished' and registrations on one producer TP rank."""
+
+    def __init__(self, *, total_heads: int, rank: int, tp_size: int, limits: Limits = Limits()) -> None:
+        self.total_heads, self.rank, self.tp_size, self.limits = total_heads, rank, tp_size, limits
+        self.finished: dict[Key, _Finished] = {}
+        self.parked: OrderedDict[tuple[Key, int], tuple[Registration, float]] = OrderedDict()
+        self.latest: OrderedDict[str, int] = OrderedDict()  # request_id -> newest attempt seen
+        self.ended: OrderedDict[Key, str] = OrderedDict()  # recently released keys -> reason
+
+    # inputs
+    def prefill_finished(self, key: Key, block_ids: list[list[int]], num_tokens: int, consumer_engine: str,
+                         now: float) -> list[Action]:  # fmt: skip
+        out: list[Action] = []
+        if self._superseded(key):
+            return [Reject("superseded", f"prefill of {key} finished after a newer attempt"),
+                    Release(key, "superseded")]  # fmt: skip
+        out += self._supersede_older(key, now)
+        if key in self.finished:
+            return out + [Reject("duplicate", f"prefill of {key} finished twice")]
+        self.finished[key] = _Finished(block_ids, num_tokens, consumer_engine, now, now + self.limits.lease_s)
+        out += self._evict_if_full_finished(now)
+        for (k, rank), (reg, _) in list(self.parked.items()):
+            if k == key:
+                del self.parked[(k, rank)]
+                out += self._accept(key, reg, now)
+        return out
+
+    def prefill_aborted(self, key: Key, now: float) -> list[Action]:
+        """The prefill will never finish (aborted or failed): fail consumers that already registered."""
+        self._note_attempt(key)
+        out: list[Action] = [self._end(key, "prefill_aborted")]
+        for (k, rank), (reg, _) in list(self.parked.items()):
+            if k == key:
+                del self.parked[(k, rank)]
+                out.append(SendFailure(reg, "prefill_aborted"))
+        return out
+
+    def registration(self, reg: Registration, now: float) -> list[Action]:
+        key = (reg.request_id, reg.attempt)
+        if self._superseded(key):
+            return [Reject("superseded", f"registration for {key}, newer attempt {self.latest[key[0]]}"),
+                    SendFailure(reg, "superseded")]  # fmt: skip
+        if self.ended.get(key) == "sent":
+            return [Reject("duplicate", f"registration for {key} after its KV was sent")]
+        if key in self.ended:
+            return [Reject("late_registration", f"{key} already ended: {self.ended[key]}"),
+                    SendFailure(reg, self.ended[key])]  # fmt: skip
+        if reg.consumer_tp <= 0 or reg.consumer_rank >= reg.consumer_tp:
+            return [Reject("malformed", f"consumer rank {reg.consumer_rank} of tp {reg.consumer_tp}")]
+        out = self._supersede_older(key, now)
+        if key in self.finished:
+            return out + self._accept(key, reg, now)
+        slot = (key, reg.consumer_rank)
+        if slot in self.parked:
+            return out + [Reject("duplicate", f"second registration for {key} rank {reg.consumer_rank}")]
+        self.parked[slot] = (reg, now)
+        while len(self.parked) > self.limits.max_entries:
+            (_, (old, _)) = self.parked.popitem(last=False)
+            out += [Reject("overflow", f"parked registrations full; dropped {old.request_id}"),
+                    SendFailure(old, "producer_overloaded")]  # fmt: skip
+        return out
+
+    def cancel(self, key: Key, consumer_engine: str, consumer_rank: int, now: float) -> list[Action]:
+        """The consumer gave up: drop what is not yet written; in-flight writes finish first."""
+        parked = self.parked.pop((key, consumer_rank), None)
+        if parked is not None:
+            return [SendFailure(parked[0], "cancelled")]
+        entry = self.finished.get(key)
+        if entry is None or entry.consumer_engine != consumer_engine:
+            return [Reject("unknown_request", f"cancel for {key} from {consumer_engine}")]
+        entry.failed = True
+        reg = entry.regs.pop(consumer_rank, None)
+        out: list[Action] = (
+            [SendFailure(reg, "cancelled")] if reg and consumer_rank not in entry.inflight else []
+        )
+        return out + self._maybe_release(key, now)
+
+    def write_finished(self, key: Key, consumer_rank: int, ok: bool, reason: str, now: float) -> list[Action]:
+        entry = self.finished.get(key)
+        if entry is None or consumer_rank not in entry.inflight:
+            return [Reject("unknown_request", f"write result for {key} rank {consumer_rank}")]
+        entry.inflight.discard(consumer_rank)
+        if ok:
+            entry.done.add(consumer_rank)
+            return self._maybe_release(key, now)
+        out: list[Action] = [SendFailure(entry.regs[consumer_rank], reason)]
+        entry.failed = True
+        return out + self._maybe_release(key, now)
+
+    def tick(self, now: float) -> list[Action]:
+        out: list[Action] = []
+        for key, entry in list(self.finished.items()):
+            if now >= entry.expires and not entry.inflight:  # never free blocks a WRITE is reading
+                out += [SendFailure(r, "lease_expired") for n, r in entry.regs.items() if n not in entry.done]
+                out.append(self._end(key, "lease_expired"))
+        for slot, (reg, since) in list(self.parked.items()):
+            if now - since >= self.limits.registration_ttl_s:
+                del self.parked[slot]
+                out += [Reject("registration_expired", f"no prefill for {slot[0]} within the TTL"),
+                        SendFailure(reg, "registration_expired")]  # fmt: skip
+        return out
+
+    def pending(self) -> dict[str, int]:
+        inflight = sum(len(e.inflight) for e in self.finished.values())
+        return {
+            "finished_blocks": len(self.finished),
+            "registrations": len(self.parked),
+            "inflight": inflight,
+        }
+
+    # helpers
+    def _accept(self, key: Key, reg: Registration, now: float) -> list[Action]:
+        entry = self.finished[key]
+        if reg.consumer_engine != entry.consumer_engine:
+            return [Reject("unexpected_engine", f"{key} registered by {reg.consumer_engine}, "
+                                                f"expected {entry.consumer_engine}")]  # fmt: skip
+        targets = set(overlapping_ranks(self.total_heads, self.rank, self.tp_size, reg.consumer_tp))
+        if reg.consumer_rank not in targets:
+            return [Reject("unexpected_rank", f"{key}: consumer rank {reg.consumer_rank} shares no heads")]
+        entry.targets = entry.targets or targets
+        if reg.consumer_rank in entry.regs:
+            return [Reject("duplicate", f"second registration for {key} rank {reg.consumer_rank}")]
+        entry.regs[reg.consumer_rank] = reg
+        if entry.failed:
+            return [SendFailure(reg, "transfer_failed")] + self._maybe_release(key, now)
+        entry.inflight.add(reg.consumer_rank)
+        return [StartWrite(key, reg, entry.block_ids, entry.num_tokens, now - entry.since)]
+
+    def _maybe_release(self, key: Key, now: float) -> list[Action]:
+        entry = self.finished[key]
+        if entry.inflight:
+            return []
+        if entry.targets is not None and entry.done >= entry.targets:
+            return [self._end(key, "sent")]
+        if entry.failed:
+            return [
+                SendFailure(r, "transfer_failed") for n, r in entry.regs.items() if n not in entry.done
+            ] + [self._end(key, "failed")]
+        return []
+
+    def _end(self, key: Key, reason: str) -> Release:
+        self.finished.pop(key, None)
+        self.ended[key] = reason
+        while len(self.ended) > self.limits.max_entries:
+            self.ended.popitem(last=False)
+        return Release(key, reason)
+
+    def _note_attempt(self, key: Key) -> None:
+        rid, attempt = key
+        if attempt >= self.latest.get(rid, -1):
+            self.latest[rid] = attempt
+            self.latest.move_to_end(rid)
+        while len(self.latest) > self.limits.max_entries:
+            self.latest.popitem(last=False)
+
+    def _superseded(self, key: Key) -> bool:
+        return key[1] < self.latest.get(key[0], -1)
+
+    def _supersede_older(self, key: Key, now: float) -> list[Action]:
+        """A newer attempt releases everything an older attempt of the same request still holds."""
+        self._note_attempt(key)
+        out: list[Action] = []
+        for old in [k for k in self.finished if k[0] == key[0] and k[1] < key[1]]:
+            entry = self.finished[old]
+            if entry.inflight:
+                entry.failed, entry.expires = True, now  # released when its WRITE completes
+                continue
+            out += [SendFailure(r, "superseded") for n, r in entry.regs.items() if n not in entry.done]
+            out.append(self._end(old, "superseded"))
+        for (old, rank), (reg, _) in list(self.parked.items()):
+            if old[0] == key[0] and old[1] < key[1]:
+                del self.parked[(old, rank)]
+                out.append(SendFailure(reg, "superseded"))
+        return out
+
+    def _evict_if_full_finished(self, now: float) -> list[Action]:
+        out: list[Action] = []
+        for key in list(self.finished):
+            if len(self.finished) <= self.limits.max_entries:
+                break
+            if not self.finished[key].inflight:
+                out += [Reject("overflow", f"finished blocks full; released {key}")]
+                out += [SendFailure(r, "producer_overloaded") for r in self.finished[key].regs.values()]
+                out.append(self._end(key, "overflow"))
+        return out
+
+
+# ---- consumer -----------------------------------------------------------------------------------
+@dataclass
+class _Expected:
+    producer_engine: str
+    ranks: frozenset[int]
+    since: float
+    deadline: float
+    done: set[int] = field(default_factory=set)
+    failures: dict[int, str] = field(default_factory=dict)
+    cancelled: bool = False
+
+
+class ConsumerCore:
+    """Completion counting on one consumer TP rank."""
+
+    def __init__(self, *, total_heads: int, rank: int, tp_size: int, limits: Limits = Limits()) -> None:
+        self.total_heads, self.rank, self.tp_size, self.limits = total_heads, rank, tp_size, limits
+        self.expected: dict[Key, _Expected] = {}
+        self.early: OrderedDict[Key, list[tuple[Done | Failure, float]]] = OrderedDict()
+
+    def expect(self, key: Key, producer_engine: str, producer_tp: int, deadline_s: float,
+               now: float) -> list[Action]:  # fmt: skip
+        if key in self.expected:
+            return [Reject("duplicate", f"{key} expected twice")]
+        if len(self.expected) >= self.limits.max_entries:
+            return [
+                Reject("overflow", f"too many pending receives; failing {key}"),
+                Failed(key, "overloaded"),
+            ]
+        ranks = overlapping_ranks(self.total_heads, self.rank, self.tp_size, producer_tp)
+        self.expected[key] = _Expected(producer_engine, frozenset(ranks), now, now + deadline_s)
+        out: list[Action] = [Register(key, tuple(ranks))]
+        for notice, _ in self.early.pop(key, []):
+            out += self.notice(notice, now)
+        return out
+
+    def notice(self, msg: Done | Failure, now: float) -> list[Action]:
+        key = (msg.request_id, msg.attempt)
+        entry = self.expected.get(key)
+        if entry is None:
+            self.early.setdefault(key, []).append((msg, now))
+            if len(self.early) > self.limits.max_entries:
+                dropped, _ = self.early.popitem(last=False)
+                return [Reject("overflow", f"early notices full; dropped {dropped}")]
+            return []
+        if msg.producer_engine != entry.producer_engine:
+            return [Reject("unexpected_engine", f"{key}: notice from {msg.producer_engine}, "
+                                                f"expected {entry.producer_engine}")]  # fmt: skip
+        if msg.producer_rank not in entry.ranks:
+            return [Reject("unexpected_rank", f"{key}: producer rank {msg.producer_rank} not expected")]
+        if msg.producer_rank in entry.done or msg.producer_rank in entry.failures:
+            return [Reject("duplicate", f"{key}: second notice from producer rank {msg.producer_rank}")]
+        if isinstance(msg, Done):
+            entry.done.add(msg.producer_rank)
+        else:
+            entry.failures[msg.producer_rank] = msg.reason
+        return self._settle(key, now)
+
+    def abort(self, key: Key, now: float) -> list[Action]:
+        """The consumer's request ended early: cancel outstanding ranks, keep waiting (bounded) for
+        writes already in flight so the blocks are not reused under a WRITE."""
+        entry = self.expected.get(key)
+        if entry is None or entry.cancelled:
+            return []
+        entry.cancelled = True
+        return [SendCancel(key, self._outstanding(entry))]
+
+    def tick(self, now: float) -> list[Action]:
+        out: list[Action] = []
+        for key, entry in list(self.expected.items()):
+            if now >= entry.deadline:
+                del self.expected[key]
+                outstanding = self._outstanding(entry)
+                out += [SendCancel(key, outstanding)] if outstanding and not entry.cancelled else []
+                out.append(Failed(key, "deadline"))
+        for key, notices in list(self.early.items()):
+            if now - notices[0][1] >= self.limits.early_notice_ttl_s:
+                del self.early[key]
+                out.append(Reject("unknown_request", f"notices for {key} never matched a receive"))
+        return out
+
+    def pending(self) -> dict[str, int]:
+        return {"receives": len(self.expected), "early_notices": len(self.early)}
+
+    def _outstanding(self, entry: _Expected) -> tuple[int, ...]:
+        return tuple(sorted(entry.ranks - entry.done - set(entry.failures)))
+
+    def _settle(self, key: Key, now: float) -> list[Action]:
+        entry = self.expected[key]
+        if self._outstanding(entry):
+            return []
+        del self.expected[key]
+        if entry.failures:
+            return [Failed(key, next(iter(entry.failures.values())))]
+        if entry.cancelled:
+            return [Failed(key, "cancelled")]
+        return [Received(key, now - entry.since)]

@@ -1,0 +1,169 @@
+"""Wire step: the typed messages kvferry peers exchange, encoded as msgpack with strict decoding.
+
+Every message is `MAGIC + msgpack({"t": <type>, ...fields})`. Decoding checks the magic, the
+protocol version, the type, and every field's presence and type, and raises `WireError` naming the
+bad field; nothing is read with a silent default.
+
+PROTOCOL_VERSION history (bump on any change to a message below; peers must be equal):
+  1. PeerInfo (side channel), Registration (D->P), Done (P->D with each WRITE), Failure (P->D),
+     Cancel (D->P).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+from kvferry.connector.layout import KVLayout, LayoutError, Region
+
+PROTOCOL_VERSION = 1
+MAGIC = b"KVF\x01"  # the last byte is PROTOCOL_VERSION, so a mismatched peer fails on the first byte check
+
+
+class WireError(ValueError):
+    """A message that cannot be decoded; the message names the bad field."""
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What an engine rank's side channel serves: how to reach its NIXL agent and its KV layout."""
+
+    TYPE: ClassVar[str] = "peer"
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    tp_rank: int
+    tp_size: int
+    incarnation: str  # changes on restart, so a cached peer with the same engine_id is reloaded
+    layout: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Registration:
+    """Decode -> prefill: where to write the KV of (request_id, attempt)."""
+
+    TYPE: ClassVar[str] = "reg"
+    request_id: str
+    attempt: int
+    consumer_engine: str
+    consumer_rank: int
+    consumer_tp: int
+    consumer_host: str  # side channel of this consumer rank, to fetch its PeerInfo once
+    consumer_port: int
+    incarnation: str
+    num_tokens: int
+    block_ids: list[list[int]]  # per KV group, the consumer's destination blocks
+
+
+@dataclass(frozen=True)
+class Done:
+    """Prefill -> decode, carried by the WRITE itself: this producer rank's part has landed."""
+
+    TYPE: ClassVar[str] = "done"
+    request_id: str
+    attempt: int
+    producer_engine: str
+    producer_rank: int
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Prefill -> decode: this producer rank will not write (abort, lease expiry, handshake, write)."""
+
+    TYPE: ClassVar[str] = "fail"
+    request_id: str
+    attempt: int
+    producer_engine: str
+    producer_rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Decode -> prefill: the consumer gave up (abort or deadline); do not start a write."""
+
+    TYPE: ClassVar[str] = "cancel"
+    request_id: str
+    attempt: int
+    consumer_engine: str
+    consumer_rank: int
+
+
+Message = PeerInfo | Registration | Done | Failure | Cancel
+_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (PeerInfo, Registration, Done, Failure, Cancel)}
+
+
+def encode(msg: Message) -> bytes:
+    body = {"t": msg.TYPE, **dataclasses.asdict(msg)}
+    return MAGIC + msgpack.packb(body, use_bin_type=True)
+
+
+def decode(data: bytes) -> Message:
+    """Decode one message or raise WireError saying what is wrong with it."""
+    if not isinstance(data, bytes | bytearray) or len(data) < len(MAGIC):
+        raise WireError(f"message truncated: {len(data) if isinstance(data, bytes | bytearray) else 0} bytes")
+    if data[:3] != MAGIC[:3]:
+        raise WireError("not a kvferry message (bad magic)")
+    if data[3] != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {data[3]} != ours {PROTOCOL_VERSION}")
+    try:
+        body = msgpack.unpackb(bytes(data[4:]), raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several types for truncated/garbled input
+        raise WireError(f"message body is not valid msgpack ({type(exc).__name__}: {exc})") from None
+    if not isinstance(body, dict):
+        raise WireError(f"message body is {type(body).__name__}, expected a map")
+    cls = _TYPES.get(body.pop("t", None))
+    if cls is None:
+        raise WireError(f"unknown message type {body.get('t')!r}")
+    return _build(cls, body)
+
+
+def _build(cls: type, body: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    extra = sorted(set(body) - set(names))
+    if extra:
+        raise WireError(f"{cls.TYPE}: unexpected field {extra[0]!r}")
+    for name in names:
+        if name not in body:
+            raise WireError(f"{cls.TYPE}: missing field {name!r}")
+        _check(f"{cls.TYPE}.{name}", body[name], hints[name])
+    return cls(**body)
+
+
+def _check(where: str, value: Any, hint: Any) -> None:
+    origin = typing.get_origin(hint)
+    if origin is list:
+        if not isinstance(value, list):
+            raise WireError(f"{where}: expected a list, got {type(value).__name__}")
+        for i, item in enumerate(value):
+            _check(f"{where}[{i}]", item, typing.get_args(hint)[0])
+        return
+    expected = dict if origin is dict else hint
+    ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+    if not ok:
+        raise WireError(f"{where}: expected {expected.__name__}, got {type(value).__name__}")
+    if expected is int and value < 0:
+        raise WireError(f"{where}: must be >= 0, got {value}")
+
+
+def layout_to_wire(layout: KVLayout) -> dict[str, Any]:
+    body = dataclasses.asdict(layout)
+    body["regions"] = [[r.base, r.num_blocks, r.group] for r in layout.regions]
+    return body
+
+
+def layout_from_wire(body: dict[str, Any]) -> KVLayout:
+    """Rebuild a peer's KVLayout; any problem becomes a WireError naming the field."""
+    names = [f.name for f in dataclasses.fields(KVLayout)]
+    missing = [n for n in names if n not in body]
+    if missing:
+        raise WireError(f"peer.layout: missing field {missing[0]!r}")
+    try:
+        regions = tuple(Region(int(b), int(n), int(g)) for b, n, g in body["regions"])
+        return KVLayout(**{**{n: int(body[n]) for n in names if n != "regions"}, "regions": regions})
+    except (LayoutError, TypeError, ValueError) as exc:
+        raise WireError(f"peer.layout: {exc}") from None

@@ -1,0 +1,206 @@
+"""protocol: rendezvous in either order, attempts, leases, deadlines, early notices, bounded maps."""
+
+from __future__ import annotations
+
+from kvferry.connector.protocol import (
+    ConsumerCore,
+    Failed,
+    Limits,
+    ProducerCore,
+    Received,
+    Register,
+    Reject,
+    Release,
+    SendCancel,
+    SendFailure,
+    StartWrite,
+)
+from kvferry.connector.wire import Done, Failure, Registration
+
+BLOCKS = [[1, 2, 3]]
+
+
+def reg(rid="r", attempt=0, engine="d0", rank=0, tp=1):
+    return Registration(rid, attempt, engine, rank, tp, "127.0.0.1", 5601, "inc", 40, [[7, 8, 9]])
+
+
+def producer(**kw):
+    return ProducerCore(total_heads=4, rank=0, tp_size=1, limits=Limits(**kw))
+
+
+def kinds(actions):
+    return [type(a).__name__ for a in actions]
+
+
+def test_registration_first_then_prefill_starts_one_write():
+    p = producer()
+    assert p.registration(reg(), now=0.0) == []
+    out = p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=1.5)
+    assert kinds(out) == ["StartWrite"] and out[0].registration_to_match_s == 0.0
+    assert p.write_finished(("r", 0), 0, True, "", now=2.0) == [Release(("r", 0), "sent")]
+    assert p.pending() == {"finished_blocks": 0, "registrations": 0, "inflight": 0}
+
+
+def test_prefill_first_then_registration_starts_one_write():
+    p = producer()
+    assert p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=0.0) == []
+    out = p.registration(reg(), now=0.25)
+    assert isinstance(out[0], StartWrite) and out[0].registration_to_match_s == 0.25
+
+
+def test_split_heads_waits_for_every_consumer_rank():
+    p = producer()
+    p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=0.0)
+    for rank in (0, 1):
+        assert kinds(p.registration(reg(rank=rank, tp=2), now=0.1)) == ["StartWrite"]
+    assert p.write_finished(("r", 0), 0, True, "", now=0.2) == []
+    assert p.write_finished(("r", 0), 1, True, "", now=0.2) == [Release(("r", 0), "sent")]
+
+
+def test_old_attempt_never_matches_new_and_is_released():
+    p = producer()
+    p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=0.0)
+    out = p.prefill_finished(("r", 1), BLOCKS, 40, "d0", now=1.0)
+    assert Release(("r", 0), "superseded") in out
+    late = p.registration(reg(attempt=0), now=1.1)
+    assert kinds(late) == ["Reject", "SendFailure"] and late[0].reason == "superseded"
+    assert kinds(p.registration(reg(attempt=1), now=1.2)) == ["StartWrite"]
+
+
+def test_newer_registration_fails_the_consumer_of_an_older_parked_one():
+    p = producer()
+    p.registration(reg(attempt=0), now=0.0)
+    out = p.registration(reg(attempt=1), now=0.1)
+    assert [a.reason for a in out if isinstance(a, SendFailure)] == ["superseded"]
+
+
+def test_duplicate_registration_is_rejected_not_acted_on():
+    p = producer()
+    p.registration(reg(), now=0.0)
+    assert kinds(p.registration(reg(), now=0.1)) == ["Reject"]
+
+
+def test_registration_from_an_engine_the_request_did_not_name_is_ignored():
+    p = producer()
+    p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=0.0)
+    out = p.registration(reg(engine="intruder"), now=0.1)
+    assert out == [Reject("unexpected_engine", out[0].detail)]
+
+
+def test_lease_expiry_fails_registered_consumer_but_never_frees_blocks_under_a_write():
+    p = producer(lease_s=1.0)
+    p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=0.0)
+    p.registration(reg(rank=0, tp=2), now=0.5)  # write to rank 0 in flight
+    assert p.tick(now=5.0) == []  # held: a WRITE reads these blocks
+    out = p.write_finished(("r", 0), 0, True, "", now=6.0)
+    assert out == []  # rank 1 never registered; still leased until the next tick
+    out = p.tick(now=7.0)
+    assert out == [Release(("r", 0), "lease_expired")]
+
+
+def test_lease_expiry_sends_failure_to_waiting_consumer():
+    p = producer(lease_s=1.0)
+    p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=0.0)
+    p.registration(reg(rank=0, tp=2), now=0.1)
+    p.write_finished(("r", 0), 0, False, "write_failed", now=0.2)
+    assert ("r", 0) not in p.finished
+
+
+def test_parked_registration_expires_with_a_failure_notice():
+    p = producer(registration_ttl_s=2.0)
+    p.registration(reg(), now=0.0)
+    out = p.tick(now=2.0)
+    assert kinds(out) == ["Reject", "SendFailure"] and out[1].reason == "registration_expired"
+    assert p.pending()["registrations"] == 0
+
+
+def test_parked_registrations_are_bounded():
+    p = producer(max_entries=3)
+    for i in range(5):
+        p.registration(reg(rid=f"r{i}"), now=0.0)
+    assert p.pending()["registrations"] == 3
+
+
+def test_prefill_abort_fails_registered_consumers():
+    p = producer()
+    p.registration(reg(), now=0.0)
+    out = p.prefill_aborted(("r", 0), now=0.1)
+    assert SendFailure(reg(), "prefill_aborted") in out
+    late = p.registration(reg(), now=0.2)
+    assert [a.reason for a in late if isinstance(a, SendFailure)] == ["prefill_aborted"]
+
+
+def test_write_failure_is_reported_to_the_consumer():
+    p = producer()
+    p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=0.0)
+    p.registration(reg(), now=0.0)
+    out = p.write_finished(("r", 0), 0, False, "write_failed", now=0.1)
+    assert SendFailure(reg(), "write_failed") in out and Release(("r", 0), "failed") in out
+
+
+def test_cancel_before_prefill_finishes_drops_the_registration():
+    p = producer()
+    p.registration(reg(), now=0.0)
+    assert kinds(p.cancel(("r", 0), "d0", 0, now=0.1)) == ["SendFailure"]
+    assert p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=0.2) == []
+
+
+# ---- consumer ----
+def consumer(tp=1, rank=0, **kw):
+    return ConsumerCore(total_heads=4, rank=rank, tp_size=tp, limits=Limits(**kw))
+
+
+def done(rank=0, engine="p0", attempt=0):
+    return Done("r", attempt, engine, rank)
+
+
+def test_consumer_waits_for_every_producer_rank():
+    c = consumer()
+    out = c.expect(("r", 0), "p0", producer_tp=2, deadline_s=5, now=0.0)
+    assert out == [Register(("r", 0), (0, 1))]
+    assert c.notice(done(0), now=0.1) == []
+    assert c.notice(done(1), now=0.3) == [Received(("r", 0), 0.3)]
+
+
+def test_early_notice_is_buffered_not_dropped():
+    c = consumer()
+    assert c.notice(done(0), now=0.0) == []
+    out = c.expect(("r", 0), "p0", producer_tp=1, deadline_s=5, now=0.1)
+    assert out[-1] == Received(("r", 0), 0.0)
+
+
+def test_deadline_turns_silence_into_failure_and_cancels_producers():
+    c = consumer()
+    c.expect(("r", 0), "p0", producer_tp=1, deadline_s=2, now=0.0)
+    assert c.tick(now=1.9) == []
+    assert c.tick(now=2.0) == [SendCancel(("r", 0), (0,)), Failed(("r", 0), "deadline")]
+    assert c.pending()["receives"] == 0
+
+
+def test_failure_notice_fails_fast():
+    c = consumer()
+    c.expect(("r", 0), "p0", producer_tp=1, deadline_s=30, now=0.0)
+    assert c.notice(Failure("r", 0, "p0", 0, "lease_expired"), now=0.1) == [Failed(("r", 0), "lease_expired")]
+
+
+def test_notice_from_unexpected_engine_or_attempt_is_not_counted():
+    c = consumer()
+    c.expect(("r", 1), "p0", producer_tp=1, deadline_s=30, now=0.0)
+    assert kinds(c.notice(done(engine="intruder", attempt=1), now=0.1)) == ["Reject"]
+    assert c.notice(done(attempt=0), now=0.1) == []  # old attempt: buffered, never matches attempt 1
+    assert c.pending() == {"receives": 1, "early_notices": 1}
+    assert kinds(c.tick(now=100.0)) == ["SendCancel", "Failed", "Reject"]
+
+
+def test_abort_waits_for_inflight_writes_then_reports_failure():
+    c = consumer()
+    c.expect(("r", 0), "p0", producer_tp=1, deadline_s=30, now=0.0)
+    assert c.abort(("r", 0), now=0.1) == [SendCancel(("r", 0), (0,))]
+    assert c.notice(done(0), now=0.2) == [Failed(("r", 0), "cancelled")]
+
+
+def test_duplicate_done_is_rejected():
+    c = consumer()
+    c.expect(("r", 0), "p0", producer_tp=2, deadline_s=30, now=0.0)
+    c.notice(done(0), now=0.1)
+    assert kinds(c.notice(done(0), now=0.1)) == ["Reject"]
