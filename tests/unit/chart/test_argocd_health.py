@@ -26,7 +26,9 @@ def cond(type_: str, status: str, reason: str = "", message: str = "", gen: int 
     return c
 
 
-def inference(generation: int = 3, observed: int | None = 3, conditions: list | None = None) -> dict[str, Any]:
+def inference(
+    generation: int = 3, observed: int | None = 3, conditions: list | None = None
+) -> dict[str, Any]:
     obj: dict[str, Any] = {
         "apiVersion": "kvferry.io/v1alpha1",
         "kind": "DisaggregatedInference",
@@ -76,7 +78,10 @@ def test_failing_transfers_are_degraded_while_pods_are_ready(reason: str) -> Non
 
 
 def test_rolling_out_reports_the_progressing_reason() -> None:
-    conditions = [cond("Ready", "False", "RolesNotReady"), cond("Progressing", "True", "RollingOut", "decode 1/4")]
+    conditions = [
+        cond("Ready", "False", "RolesNotReady"),
+        cond("Progressing", "True", "RollingOut", "decode 1/4"),
+    ]
     status, message = health(inference(conditions=conditions))
     assert status == "Progressing"
     assert message == "Progressing=True (RollingOut): decode 1/4"
