@@ -1,0 +1,7 @@
+"""Node agent: runs the pods bound to one Node as local processes (`kvferry demo`'s kubelet).
+
+Reading path: `agent` (NodeAgent: start/stop, heartbeats) -> `watch` (which pods are ours) -> `pod`
+(one worker per pod) -> `volumes` and `podspec` (what to run) -> `runner` (the process) -> `probes`
+-> `status` (what the API sees). `alloc` hands out loopback pod IPs and cores.
+Container images are ignored: the local virtualenv is "the image", so containers need a `command`.
+"""
