@@ -119,15 +119,21 @@ def _wait(pred: Callable[[], bool], timeout_s: float, interval_s: float = 0.1) -
 def wait_for(what: str, pred: Callable[[], bool], timeout_s: float, watch: list[Proc]) -> None:
     """Poll `pred` until true; fail fast if a watched process dies, and name `what` on timeout."""
     deadline = time.monotonic() + timeout_s
+    last = "predicate was false"
     while True:
         for p in watch:
             p.check_alive()
         try:
             if pred():
                 return
-        except Exception:  # noqa: BLE001 - not ready yet (connection refused, 404, ...): keep polling
-            pass
+        except Exception as e:  # noqa: BLE001 - not ready yet (connection refused, 404, ...): keep polling
+            last = f"last error: {type(e).__name__}: {str(e)[:300]}"
         if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {p.name} ({p.log}):\n{log_tail(p.log, 8)}" for p in watch)
-            raise ControlPlaneError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{logs}")
+            logs = "".join(f"\n--- {p.name} ({p.log}):\n{log_tail(p.log, 8)}" for p in watch)
+            raise ControlPlaneError(f"timed out after {timeout_s:.0f} s waiting for {what} ({last}){logs}")
         time.sleep(0.2)
+
+
+def wait_until(what: str, pred: Callable[[], bool], timeout_s: float) -> None:
+    """`wait_for` with no processes to watch: for tests waiting on cluster state."""
+    wait_for(what, pred, timeout_s, [])

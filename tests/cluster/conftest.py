@@ -1,0 +1,139 @@
+"""Fixtures for tests against the local control plane (kvferry.local.controlplane), all marked `cluster`.
+
+Session: `control_plane` (started once, stopped at the end), `kubeconfig` (the file it wrote, exported as
+KUBECONFIG for the session), `admin_api` (kubernetes ApiClient as cluster-admin), `sa_client` (factory:
+an ApiClient acting as a ServiceAccount). Per test: `namespace` (created, deleted afterwards).
+The fixtures never read ~/.kube/config: a kubeconfig that does not point at this plane is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from kvferry.local.controlplane import ControlPlane, ControlPlaneError
+from kvferry.local.controlplane.kubeconfig import read_server_and_ca
+
+NAMESPACE_READY_TIMEOUT_S = 30.0
+NAMESPACE_DELETE_TIMEOUT_S = 60.0
+_HERE = Path(__file__).parent
+_STARTED_IN: list[float] = []
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _HERE in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.cluster)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _STARTED_IN:
+        terminalreporter.write_line(f"kvferry control plane: started in {_STARTED_IN[0]:.1f} s")
+
+
+def check_kubeconfig(plane: ControlPlane, path: Path) -> None:
+    """Refuse a kubeconfig that does not point at `plane` (server and CA must both match)."""
+    server, ca = read_server_and_ca(path)
+    if server != plane.server or ca != plane.ca_file.read_bytes():
+        raise ControlPlaneError(f"kubeconfig {path} points at {server}, not at the test plane {plane.server}")
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    plane = ControlPlane()
+    t0 = time.monotonic()
+    try:
+        plane.start(tmp_path_factory.mktemp("controlplane"))
+        _STARTED_IN.append(time.monotonic() - t0)
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture(scope="session")
+def kubeconfig(control_plane: ControlPlane) -> Iterator[Path]:
+    path = control_plane.kubeconfig
+    check_kubeconfig(control_plane, path)
+    old = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(path)  # so kubectl/helm/kopf started by tests reach this plane only
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = old
+
+
+@pytest.fixture(scope="session")
+def admin_api(control_plane: ControlPlane, kubeconfig: Path):
+    with control_plane.admin_client() as api:
+        yield api
+
+
+@pytest.fixture(scope="session")
+def sa_client(control_plane: ControlPlane, kubeconfig: Path) -> Iterator[Callable]:
+    """`sa_client(namespace, name, create=True)` -> ApiClient acting as that ServiceAccount."""
+    made = []
+
+    def make(namespace: str, name: str, *, create: bool = True):
+        api = control_plane.sa_client(namespace, name, create=create)
+        made.append(api)
+        return api
+
+    yield make
+    for api in made:
+        api.close()
+
+
+@pytest.fixture
+def namespace(admin_api, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace (its default ServiceAccount exists, so pods can be created at once)."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(admin_api)
+    stem = "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:40].strip("-")
+    name = f"{stem}-{uuid.uuid4().hex[:6]}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    try:
+        _wait(
+            lambda: _exists(core.read_namespaced_service_account, "default", name), NAMESPACE_READY_TIMEOUT_S
+        )
+        yield name
+    finally:
+        core.delete_namespace(name)
+        # Wait so the next test gets the nodes' resources back; a stuck finalizer only warns.
+        if not _wait(
+            lambda: not _exists(core.read_namespace, name), NAMESPACE_DELETE_TIMEOUT_S, strict=False
+        ):
+            warnings.warn(
+                f"namespace {name} still terminating after {NAMESPACE_DELETE_TIMEOUT_S} s", stacklevel=1
+            )
+
+
+def _exists(read: Callable, *args: str) -> bool:
+    from kubernetes.client.rest import ApiException
+
+    try:
+        read(*args)
+        return True
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+
+
+def _wait(pred: Callable[[], bool], timeout_s: float, *, strict: bool = True) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            if strict:
+                raise TimeoutError(f"condition not met within {timeout_s} s")
+            return False
+        time.sleep(0.2)
+    return True
