@@ -112,9 +112,8 @@ def test_node_without_kwok_annotation_is_left_to_another_agent(control_plane: Co
         conds = {c.type: c.status for c in core.read_node(names[1]).status.conditions or []}
         assert conds.get("Ready") != "True"
         taints = {t.key for t in core.read_node(names[1]).spec.taints or []}
-        assert (
-            "node.kubernetes.io/not-ready" in taints
-        )  # TaintNodesByCondition: unschedulable until an agent reports
+        # TaintNodesByCondition put not-ready on it; the lifecycle controller may swap in unreachable.
+        assert taints & {"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"}
     finally:
         for name in names:
             core.delete_node(name)
