@@ -1,0 +1,112 @@
+"""Preset step: hardware presets (presets/*.yaml) merged with a role's spec into what its pods get.
+
+`merge` is the one place where preset data meets user settings; the rule everywhere is "the spec wins":
+user env replaces preset env by name, user resources replace preset resources by key, node selectors
+merge with user keys on top, tolerations add up.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kvferry.operator.spec import Role, Spec
+
+PRESET_DIR = Path(__file__).parent / "presets"
+DEVICE_BUFFER = {"nvidia.com/gpu": "cuda", "aws.amazon.com/neuron": "cuda"}
+
+
+@functools.cache
+def load(accelerator: str) -> dict[str, Any]:
+    """Preset data for one accelerator (cached; presets are read-only)."""
+    return yaml.safe_load((PRESET_DIR / f"{accelerator}.yaml").read_text())
+
+
+@dataclass(frozen=True)
+class PodPlan:
+    """Everything a role's engine pods get from preset + spec, before templating."""
+
+    image: str
+    env: list[dict[str, Any]]
+    resources: dict[str, dict[str, Any]]
+    node_selector: dict[str, str]
+    tolerations: list[dict[str, Any]]
+    affinity: dict[str, Any]
+    capabilities: list[str]
+    shm_size: str
+    startup_seconds: int
+    backends: list[str]
+    buffer_device: str
+    devices: int
+    efa: int
+
+
+def scale_quantity(quantity: str, factor: int) -> str:
+    """'640Mi' x 2 -> '1280Mi': multiply a Kubernetes quantity, keeping its suffix."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", str(quantity))
+    if not match:
+        raise ValueError(f"preset quantity {quantity!r} is not '<number><suffix>'")
+    value = float(match.group(1)) * factor
+    return f"{int(value) if value.is_integer() else value}{match.group(2)}"
+
+
+def _by_name(*env_lists: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    merged: dict[str, dict[str, Any]] = {}
+    for env in env_lists:
+        for var in env:
+            merged.pop(var["name"], None)  # a later definition moves to the end, after what it may reference
+            merged[var["name"]] = var
+    return list(merged.values())
+
+
+def _resources(preset: dict[str, Any], role: Role, devices: int, efa: int) -> dict[str, dict[str, Any]]:
+    extended: dict[str, Any] = {}
+    if devices:
+        extended[preset["accelerator"]["resource"]] = devices
+    if efa:
+        extended[preset["efa"]["resource"]] = efa
+    sized = {k: scale_quantity(v, devices) for k, v in preset.get("perDevice", {}).items()} if devices else {}
+    sized |= preset.get("perPod", {})
+    # Extended resources and hugepages must have requests == limits; cpu is left unbounded above.
+    limits = {k: v for k, v in (extended | sized).items() if k != "cpu"}
+    requests = extended | sized
+    requests |= role.resources.get("requests", {})
+    limits |= role.resources.get("limits", {})
+    return {"requests": requests, "limits": limits}
+
+
+def merge(spec: Spec, role_name: str) -> PodPlan:
+    """Combine the spec's preset with one role's settings: the single visible merge."""
+    preset = load(spec.accelerator)
+    role: Role = getattr(spec, role_name)
+    accel = preset.get("accelerator")
+    devices = math.ceil(role.tensor_parallel_size / accel["tpPerDevice"]) if accel else 0
+    efa = role.efa
+    if efa is None:
+        efa = max(1, devices * preset["efa"]["perNode"] // accel["perNode"]) if "efa" in preset else 0
+    buffer = spec.kv_transfer.buffer_device
+    if buffer == "auto":
+        buffer = preset["bufferDevice"]
+    elif buffer == "device":
+        buffer = DEVICE_BUFFER.get(accel["resource"], "cpu") if accel else "cpu"
+    role_env = preset.get("roleEnv", {}).get(role_name, [])
+    return PodPlan(
+        image=spec.image or preset.get("image", ""),
+        env=_by_name(preset.get("env", []), role_env, role.env),
+        resources=_resources(preset, role, devices, efa),
+        node_selector={**preset.get("nodeSelector", {}), **role.node_selector},
+        tolerations=[*preset.get("tolerations", []), *role.tolerations],
+        affinity=role.affinity,
+        capabilities=list(preset.get("capabilities", [])),
+        shm_size=preset["shmSize"],
+        startup_seconds=role.startup_seconds or preset["startupSeconds"],
+        backends=spec.kv_transfer.backends or list(preset["backends"]),
+        buffer_device=buffer,
+        devices=devices,
+        efa=efa,
+    )

@@ -1,0 +1,263 @@
+"""Render step: a DisaggregatedInference -> the Kubernetes objects it should own (pure, no API access).
+
+`render(cr)` validates the spec, merges presets (presets.py), builds one context per role and fills the
+templates in templates/. Nothing here imports kopf or kubernetes, so it runs offline (`kvferry render`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import yaml
+from kvferry.operator import names
+from kvferry.operator.presets import PodPlan, merge
+from kvferry.operator.spec import GROUP, KIND, VERSION, Spec, parse_spec
+
+DEFAULT_ROUTER_IMAGE = "kvferry/kvferry:0.1.0"  # the operator image also holds the router
+PRESTOP_SECONDS = 10
+GRACE_MARGIN_SECONDS = 15
+TEMPLATES = (
+    "configmap.yaml.j2",
+    "router-rbac.yaml.j2",
+    "service-headless.yaml.j2",
+    "statefulset.yaml.j2",
+    "pdb.yaml.j2",
+    "router-deployment.yaml.j2",
+    "router-service.yaml.j2",
+)
+ROLE_TEMPLATES = {"service-headless.yaml.j2", "statefulset.yaml.j2", "pdb.yaml.j2"}
+
+_env = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
+    undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    autoescape=False,  # YAML, not HTML
+)
+# JSON is YAML flow syntax: values land in the templates quoted exactly, whatever they contain.
+_env.filters["json"] = lambda value: json.dumps(value, sort_keys=False)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """What one render produces: the objects plus values status and events need."""
+
+    objects: list[dict[str, Any]]
+    revision: str
+    spec: Spec
+
+
+def revision_of(spec: Spec, plans: dict[str, PodPlan]) -> str:
+    """Hash of everything P and D must agree on; equal hashes mean the router may pair the pods.
+
+    TP size, replicas and per-role args are left out on purpose: the connector maps across TP
+    sizes, and changing one role's extras must not break pairing with the other role.
+    """
+    shared = {
+        "model": spec.model,
+        "served": spec.served_model_name,
+        "accelerator": spec.accelerator,
+        "images": sorted({plan.image for plan in plans.values()}),
+        "kvTransfer": asdict(spec.kv_transfer),
+        "backends": plans["prefill"].backends,
+        "vllm": asdict(spec.vllm),
+    }
+    return names.short_hash(json.dumps(shared, sort_keys=True))
+
+
+def kv_transfer_config(spec: Spec, role: str, plan: PodPlan) -> dict[str, Any]:
+    """vLLM --kv-transfer-config for one role (docs/contracts.md §3). $(VAR)s are expanded by the kubelet."""
+    kt = spec.kv_transfer
+    base: dict[str, Any] = {
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "engine_id": "$(POD_NAME)",
+        "kv_buffer_device": plan.buffer_device,
+        "kv_load_failure_policy": kt.load_failure_policy,
+    }
+    if kt.connector == "kvferry":
+        extra = {
+            "backends": plan.backends,
+            "lease_s": kt.lease_seconds,
+            "deadline_s": kt.deadline_seconds,
+            "side_channel_host": "$(POD_IP)",
+            "side_channel_port": kt.side_channel_port,
+        }
+        return {
+            "kv_connector": "KvferryConnector",
+            "kv_connector_module_path": "kvferry.connector",
+            **base,
+            "kv_connector_extra_config": extra,
+        }
+    extra = {"backends": plan.backends, "kv_lease_duration": kt.lease_seconds}
+    if kt.mode == "push":
+        extra["push_registration_timeout"] = kt.deadline_seconds
+    connector = "NixlPushConnector" if kt.mode == "push" else "NixlConnector"
+    return {"kv_connector": connector, **base, "kv_connector_extra_config": extra}
+
+
+def vllm_args(spec: Spec, role: str, kv_json: str, shutdown_timeout: int) -> list[str]:
+    engine, rspec = spec.vllm, getattr(spec, role)
+    args = [
+        spec.model,
+        "--port",
+        str(names.HTTP_PORT),
+        "--served-model-name",
+        spec.served_model_name or spec.model,
+        "--tensor-parallel-size",
+        str(rspec.tensor_parallel_size),
+        "--block-size",
+        str(engine.block_size),
+        "--dtype",
+        engine.dtype,
+    ]
+    if engine.max_model_len:
+        args += ["--max-model-len", str(engine.max_model_len)]
+    args.append("--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching")
+    args += ["--shutdown-timeout", str(shutdown_timeout), "--kv-transfer-config", kv_json]
+    return args + engine.extra_args + rspec.extra_args
+
+
+def role_context(
+    spec: Spec, cr_name: str, role: str, plan: PodPlan, revision: str, replicas: int | None
+) -> dict[str, Any]:
+    rspec = getattr(spec, role)
+    kv_json = json.dumps(kv_transfer_config(spec, role, plan), separators=(",", ":"))
+    default_drain = spec.kv_transfer.lease_seconds + 30 if role == "prefill" else 60
+    shutdown = rspec.shutdown_timeout_seconds if rspec.shutdown_timeout_seconds is not None else default_drain
+    identity = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        # NIXL binds and advertises this address: it must be the pod IP, never localhost or 0.0.0.0.
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(spec.kv_transfer.side_channel_port)},
+    ]
+    labels = names.common_labels(cr_name, role)
+    return {
+        "role": role,
+        "name": names.role_name(cr_name, role),
+        "labels": {**labels, names.LABEL_REVISION: revision},
+        "selector": names.selector_labels(cr_name, role),
+        "pod_labels": {**labels, names.LABEL_REVISION: revision},
+        "replicas": replicas,
+        "image": plan.image,
+        "args": vllm_args(spec, role, kv_json, shutdown),
+        "env": identity + plan.env,
+        "resources": plan.resources,
+        "node_selector": plan.node_selector,
+        "tolerations": plan.tolerations,
+        "affinity": plan.affinity,
+        "capabilities": plan.capabilities,
+        "shm_size": plan.shm_size,
+        "startup_failures": max(3, plan.startup_seconds // 10),
+        "prestop_seconds": PRESTOP_SECONDS,
+        "grace_seconds": PRESTOP_SECONDS + shutdown + GRACE_MARGIN_SECONDS,
+        "side_channel_port": spec.kv_transfer.side_channel_port,
+        "kv_transfer_json": kv_json,
+    }
+
+
+def router_mode(spec: Spec) -> str:
+    if spec.kv_transfer.connector == "kvferry":
+        return "kvferry"
+    return f"vllm-{spec.kv_transfer.mode}"
+
+
+def router_config(spec: Spec, cr_name: str, namespace: str) -> dict[str, Any]:
+    """The router's config file (docs/contracts.md §2), discovering pods through the role Services."""
+    deadline = spec.kv_transfer.deadline_seconds
+    return {
+        "listen": {"host": "0.0.0.0", "port": names.HTTP_PORT},
+        "mode": router_mode(spec),
+        "model": spec.served_model_name or spec.model,
+        "policy": spec.router.policy,
+        "deadlines": {"prefill_s": 60, "decode_first_token_s": 60, "transfer_s": deadline, "total_s": 600},
+        "discovery": {
+            "kubernetes": {
+                "namespace": namespace,
+                "prefill_service": names.role_name(cr_name, "prefill"),
+                "decode_service": names.role_name(cr_name, "decode"),
+                "revision_label": names.LABEL_REVISION,
+                "tp_size": {
+                    "prefill": spec.prefill.tensor_parallel_size,
+                    "decode": spec.decode.tensor_parallel_size,
+                },
+            }
+        },
+    }
+
+
+def router_context(spec: Spec, cr_name: str, namespace: str, router_image: str) -> dict[str, Any]:
+    config_yaml = yaml.safe_dump(router_config(spec, cr_name, namespace), sort_keys=False)
+    return {
+        "name": names.router_name(cr_name),
+        "service_name": names.service_name(cr_name),
+        "labels": names.common_labels(cr_name, "router"),
+        "selector": names.selector_labels(cr_name, "router"),
+        "replicas": spec.router.replicas,
+        "image": spec.router.image or router_image,
+        "resources": spec.router.resources,
+        "service_type": spec.router.service_type,
+        "grace_seconds": spec.kv_transfer.deadline_seconds + 30,  # let streams finish
+        "config_yaml": config_yaml,
+        "config_hash": names.short_hash(config_yaml),
+    }
+
+
+def owner_reference(cr: dict[str, Any]) -> dict[str, Any]:
+    meta = cr["metadata"]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def render(
+    cr: dict[str, Any],
+    *,
+    router_image: str = DEFAULT_ROUTER_IMAGE,
+    observed_replicas: dict[str, int | None] | None = None,
+) -> Rendered:
+    """Desired objects for `cr`. Raises spec.SpecError for a spec the API server would reject.
+
+    observed_replicas: current StatefulSet replicas per role; used for roles whose replicas belong
+    to an autoscaler, so the apply never moves them (None: StatefulSet absent, start at spec value).
+    """
+    meta = cr.get("metadata", {})
+    cr_name, namespace = meta.get("name", ""), meta.get("namespace") or "default"
+    spec = parse_spec(cr.get("spec"), cr_name)
+    observed = observed_replicas or {}
+    plans = {role: merge(spec, role) for role in names.ROLES}
+    revision = revision_of(spec, plans)
+    roles = []
+    for role in names.ROLES:
+        rspec = getattr(spec, role)
+        current = observed.get(role)
+        replicas = current if rspec.replicas_owner == "autoscaler" and current is not None else rspec.replicas
+        roles.append(role_context(spec, cr_name, role, plans[role], revision, replicas))
+    context = {
+        "namespace": namespace,
+        "http_port": names.HTTP_PORT,
+        "roles": roles,
+        "router": router_context(spec, cr_name, namespace, router_image),
+        "config_name": names.config_name(cr_name),
+        "config_labels": names.common_labels(cr_name, "config"),
+        "config_hash_key": names.ANNOTATION_CONFIG_HASH,
+    }
+    objects: list[dict[str, Any]] = []
+    for template in TEMPLATES:
+        for ctx in roles if template in ROLE_TEMPLATES else [None]:
+            text = _env.get_template(template).render(context, r=ctx)
+            objects += [doc for doc in yaml.safe_load_all(text) if doc]
+    if meta.get("uid"):
+        for obj in objects:
+            obj["metadata"]["ownerReferences"] = [owner_reference(cr)]
+    return Rendered(objects=objects, revision=revision, spec=spec)

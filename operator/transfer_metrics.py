@@ -1,0 +1,199 @@
+"""Transfer-metrics step: connector/vLLM Prometheus text -> transfer summary + TransferHealthy (pure).
+
+Metric names live in the constants below only, so renaming a connector metric is a one-line change.
+The status timer (reconcile.py) fetches each engine pod's /metrics and hands the texts here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvferry.operator.status import Reason
+from prometheus_client.parser import text_string_to_metric_families
+
+# Counted on the producer (prefill) pods, which issue the writes; the vLLM names are the upstream
+# NixlConnector's, used when connector=vllm.
+TRANSFERS = ("kvferry_transfers_total", "vllm:nixl_xfer_time_seconds_count")
+FAILURES = ("kvferry_transfer_failures_total", "vllm:nixl_num_failed_transfers_total")
+HISTOGRAMS = ("kvferry_transfer_seconds", "vllm:nixl_xfer_time_seconds")
+# On decode pods: where prompt tokens came from (computed locally vs received as KV).
+TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+LOCAL, EXTERNAL = "local_compute", "external_kv_transfer"
+BACKEND_LABEL = "backend"  # any kvferry_* sample carrying it names the NIXL backend in use
+FAILURE_REASON_LABEL = "reason"
+# Decode computing more than this share of prompt tokens itself means KV is not arriving.
+RECOMPUTE_SHARE = 0.5
+
+
+@dataclass
+class Sample:
+    """Totals from one or more pods' metrics."""
+
+    transfers: float = 0.0
+    failures: float = 0.0
+    failures_by_reason: dict[str, float] = field(default_factory=dict)
+    buckets: dict[float, float] = field(default_factory=dict)  # le -> cumulative count
+    local_tokens: float = 0.0
+    external_tokens: float = 0.0
+    backends: set[str] = field(default_factory=set)
+
+
+def parse(text: str) -> Sample:
+    """Parse one pod's /metrics text. Raises ValueError on text that is not Prometheus exposition."""
+    out = Sample()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("kvferry_") and BACKEND_LABEL in s.labels:
+                out.backends.add(s.labels[BACKEND_LABEL])
+            if s.name in TRANSFERS:
+                out.transfers += s.value
+            elif s.name in FAILURES:
+                out.failures += s.value
+                reason = s.labels.get(FAILURE_REASON_LABEL, "unknown")
+                out.failures_by_reason[reason] = out.failures_by_reason.get(reason, 0) + s.value
+            elif s.name in {h + "_bucket" for h in HISTOGRAMS}:
+                le = float(s.labels["le"])
+                out.buckets[le] = out.buckets.get(le, 0) + s.value
+            elif s.name == TOKENS_BY_SOURCE:
+                if s.labels.get("source") == LOCAL:
+                    out.local_tokens += s.value
+                elif s.labels.get("source") == EXTERNAL:
+                    out.external_tokens += s.value
+    return out
+
+
+def merge(samples: list[Sample]) -> Sample:
+    total = Sample()
+    for s in samples:
+        total.transfers += s.transfers
+        total.failures += s.failures
+        for k, v in s.failures_by_reason.items():
+            total.failures_by_reason[k] = total.failures_by_reason.get(k, 0) + v
+        for le, v in s.buckets.items():
+            total.buckets[le] = total.buckets.get(le, 0) + v
+        total.local_tokens += s.local_tokens
+        total.external_tokens += s.external_tokens
+        total.backends |= s.backends
+    return total
+
+
+def quantile(buckets: dict[float, float], q: float) -> float | None:
+    """histogram_quantile: linear interpolation inside the bucket holding the q-th observation."""
+    if not buckets:
+        return None
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower  # the +Inf bucket has no upper bound: report the last finite one
+            width = count - below
+            return lower + (le - lower) * ((rank - below) / width if width else 1.0)
+        lower, below = le, count
+    return lower
+
+
+def human(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    return f"{seconds * 1000:.0f}ms" if seconds < 1 else f"{seconds:.2f}s"
+
+
+def _increase(now: float, before: float) -> float:
+    """Counter increase; a drop means pods restarted and counters reset."""
+    return now if now < before else now - before
+
+
+def health(
+    producer: Sample, consumer: Sample, previous: dict[str, Any], efa: bool, scraped: int
+) -> tuple[str, Reason, str]:
+    """TransferHealthy (status, reason, message) for this scrape against the previous summary."""
+    if scraped == 0:
+        return "Unknown", Reason.METRICS_UNAVAILABLE, "no engine pod metrics could be read"
+    wrong = sorted(b for b in producer.backends | consumer.backends if b != "LIBFABRIC")
+    if efa and wrong:
+        return (
+            "False",
+            Reason.WRONG_BACKEND,
+            (
+                f"pods report NIXL backend {', '.join(wrong)} on an EFA preset; only LIBFABRIC reaches EFA "
+                "bandwidth (UCX falls back to TCP)"
+            ),
+        )
+    failed = _increase(producer.failures, previous.get("failures", 0))
+    if failed > 0:
+        reason = max(producer.failures_by_reason, key=producer.failures_by_reason.get, default="unknown")
+        return (
+            "False",
+            Reason.TRANSFER_FAILURES,
+            f"{failed:.0f} transfers failed since the last check ({reason})",
+        )
+    local = _increase(consumer.local_tokens, previous.get("localTokens", 0))
+    external = _increase(consumer.external_tokens, previous.get("externalTokens", 0))
+    if local > 0 and local / (local + external) > RECOMPUTE_SHARE:
+        return (
+            "False",
+            Reason.DECODE_RECOMPUTES,
+            (
+                f"decode computed {local:.0f} of {local + external:.0f} prompt tokens itself since the last "
+                "check: KV is not arriving from prefill"
+            ),
+        )
+    if producer.transfers == 0:
+        return "Unknown", Reason.NO_TRAFFIC, "no transfers yet"
+    return "True", Reason.TRANSFERS_OK, f"{producer.transfers:.0f} transfers, {producer.failures:.0f} failed"
+
+
+def summarize(
+    producer_texts: list[str],
+    consumer_texts: list[str],
+    *,
+    previous: dict[str, Any],
+    mode: str,
+    efa: bool,
+    now: str,
+) -> tuple[dict[str, Any], tuple[str, Reason, str]]:
+    """New status.transfer and the TransferHealthy verdict from the pods' metric texts.
+
+    Unparseable texts count as unscraped pods rather than failing the whole summary.
+    """
+    producers, consumers = [], []
+    for texts, out in ((producer_texts, producers), (consumer_texts, consumers)):
+        for text in texts:
+            try:
+                out.append(parse(text))
+            except ValueError:
+                continue
+    producer, consumer = merge(producers), merge(consumers)
+    if not (producer.transfers or producer.failures or producer.buckets):
+        producer = consumer  # a connector that counts on the receiving side: take decode's figures
+    verdict = health(producer, consumer, previous, efa, len(producers) + len(consumers))
+    p50, p99 = quantile(producer.buckets, 0.5), quantile(producer.buckets, 0.99)
+    summary = {
+        "mode": mode,
+        "backend": ",".join(sorted(producer.backends | consumer.backends)),
+        "transfers": int(producer.transfers),
+        "failures": int(producer.failures),
+        "p50": human(p50),
+        "p99": human(p99),
+        "p50Seconds": p50,
+        "p99Seconds": p99,
+        "localTokens": int(consumer.local_tokens),
+        "externalTokens": int(consumer.external_tokens),
+        "lastFailure": previous.get("lastFailure", ""),
+        "lastFailureTime": previous.get("lastFailureTime", ""),
+        "scrapedPods": len(producers) + len(consumers),
+        "lastScrapeTime": now,
+    }
+    if verdict[1] == Reason.TRANSFER_FAILURES:
+        summary["lastFailure"] = max(
+            producer.failures_by_reason, key=producer.failures_by_reason.get, default=""
+        )
+        summary["lastFailureTime"] = now
+    return {k: v for k, v in summary.items() if v is not None}, verdict

@@ -1,0 +1,111 @@
+"""Shared DisaggregatedInference cases: the unit tests check them against spec.parse_spec, the cluster
+tests against the real API server's schema and CEL rules (so the two stay in step)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+
+class make_inference:  # noqa: N801 - reads as a builder call: make_inference("qwen").decode(replicas=2).obj()
+    """Small builder for CR dicts."""
+
+    def __init__(self, name: str = "demo", namespace: str | None = None, **spec: Any):
+        self._obj: dict[str, Any] = {
+            "apiVersion": "kvferry.io/v1alpha1",
+            "kind": "DisaggregatedInference",
+            "metadata": {"name": name, **({"namespace": namespace} if namespace else {})},
+            "spec": {"model": "/models/tiny", **spec},
+        }
+
+    def set(self, **spec: Any) -> make_inference:
+        self._obj["spec"].update(spec)
+        return self
+
+    def _part(self, key: str, values: dict[str, Any]) -> make_inference:
+        self._obj["spec"].setdefault(key, {}).update(values)
+        return self
+
+    def prefill(self, **values: Any) -> make_inference:
+        return self._part("prefill", values)
+
+    def decode(self, **values: Any) -> make_inference:
+        return self._part("decode", values)
+
+    def kv(self, **values: Any) -> make_inference:
+        return self._part("kvTransfer", values)
+
+    def router(self, **values: Any) -> make_inference:
+        return self._part("router", values)
+
+    def vllm(self, **values: Any) -> make_inference:
+        return self._part("vllm", values)
+
+    def obj(self) -> dict[str, Any]:
+        return copy.deepcopy(self._obj)
+
+
+def _without_model() -> dict[str, Any]:
+    obj = make_inference("no-model").obj()
+    del obj["spec"]["model"]
+    return obj
+
+
+# (case id, CR, the field path the error must name)
+INVALID: list[tuple[str, dict[str, Any], str]] = [
+    ("prefill-replicas-zero", make_inference("bad1").prefill(replicas=0).obj(), "spec.prefill.replicas"),
+    ("decode-replicas-negative", make_inference("bad2").decode(replicas=-1).obj(), "spec.decode.replicas"),
+    ("unknown-preset", make_inference("bad3", accelerator="p4d").obj(), "spec.accelerator"),
+    ("block-size", make_inference("bad4").vllm(blockSize=17).obj(), "spec.vllm.blockSize"),
+    ("missing-model", _without_model(), "spec.model"),
+    (
+        "tp-direction-vllm",
+        make_inference("bad6", accelerator="p5en")
+        .kv(connector="vllm")
+        .prefill(tensorParallelSize=4)
+        .decode(tensorParallelSize=2)
+        .obj(),
+        "spec.decode.tensorParallelSize",
+    ),
+    ("kvferry-pull", make_inference("bad7").kv(mode="pull").obj(), "spec.kvTransfer.mode"),
+    (
+        "ucx-on-efa",
+        make_inference("bad8", accelerator="p5en").kv(backends=["UCX"]).obj(),
+        "spec.kvTransfer.backends",
+    ),
+    ("libfabric-on-cpu", make_inference("bad9").kv(backends=["LIBFABRIC"]).obj(), "spec.kvTransfer.backends"),
+    ("none-without-image", make_inference("bad10", accelerator="none").obj(), "spec.image"),
+    (
+        "lease-shorter-than-deadline",
+        make_inference("bad11").kv(leaseSeconds=10, deadlineSeconds=20).obj(),
+        "spec.kvTransfer.leaseSeconds",
+    ),
+    (
+        "owned-flag-in-extra-args",
+        make_inference("bad12").decode(extraArgs=["--kv-transfer-config={}"]).obj(),
+        "spec.decode.extraArgs",
+    ),
+    (
+        "trn1-device-buffer",
+        make_inference("bad13", accelerator="trn1").kv(bufferDevice="device").obj(),
+        "spec.kvTransfer.bufferDevice",
+    ),
+    (
+        "tp-over-node",
+        make_inference("bad14", accelerator="p5en").prefill(tensorParallelSize=16).obj(),
+        "spec.prefill.tensorParallelSize",
+    ),
+    ("unknown-policy", make_inference("bad15").router(policy="random").obj(), "spec.router.policy"),
+    ("name-too-long", make_inference("x" * 50).obj(), "metadata.name"),
+]
+
+VALID = {
+    "minimal": make_inference("ok1").obj(),
+    "kvferry-wider-prefill": make_inference("ok2", accelerator="p5en")
+    .prefill(tensorParallelSize=4)
+    .decode(tensorParallelSize=2)
+    .obj(),
+    "vllm-push-efa": make_inference("ok3", accelerator="p5")
+    .kv(connector="vllm", backends=["LIBFABRIC"])
+    .obj(),
+}
