@@ -128,12 +128,15 @@ class ProducerCore:
         self.ended: OrderedDict[Key, str] = OrderedDict()  # recently released keys -> reason
 
     # inputs
-    def prefill_finished(self, key: Key, block_ids: list[list[int]], num_tokens: int, consumer_engine: str,
-                         now: float) -> list[Action]:  # fmt: skip
+    def prefill_finished(
+        self, key: Key, block_ids: list[list[int]], num_tokens: int, consumer_engine: str, now: float
+    ) -> list[Action]:
         out: list[Action] = []
         if self._superseded(key):
-            return [Reject("superseded", f"prefill of {key} finished after a newer attempt"),
-                    Release(key, "superseded")]  # fmt: skip
+            return [
+                Reject("superseded", f"prefill of {key} finished after a newer attempt"),
+                Release(key, "superseded"),
+            ]
         out += self._supersede_older(key, now)
         if key in self.finished:
             return out + [Reject("duplicate", f"prefill of {key} finished twice")]
@@ -158,13 +161,17 @@ class ProducerCore:
     def registration(self, reg: Registration, now: float) -> list[Action]:
         key = (reg.request_id, reg.attempt)
         if self._superseded(key):
-            return [Reject("superseded", f"registration for {key}, newer attempt {self.latest[key[0]]}"),
-                    SendFailure(reg, "superseded")]  # fmt: skip
+            return [
+                Reject("superseded", f"registration for {key}, newer attempt {self.latest[key[0]]}"),
+                SendFailure(reg, "superseded"),
+            ]
         if self.ended.get(key) == "sent":
             return [Reject("duplicate", f"registration for {key} after its KV was sent")]
         if key in self.ended:
-            return [Reject("late_registration", f"{key} already ended: {self.ended[key]}"),
-                    SendFailure(reg, self.ended[key])]  # fmt: skip
+            return [
+                Reject("late_registration", f"{key} already ended: {self.ended[key]}"),
+                SendFailure(reg, self.ended[key]),
+            ]
         if reg.consumer_tp <= 0 or reg.consumer_rank >= reg.consumer_tp:
             return [Reject("malformed", f"consumer rank {reg.consumer_rank} of tp {reg.consumer_tp}")]
         out = self._supersede_older(key, now)
@@ -176,8 +183,10 @@ class ProducerCore:
         self.parked[slot] = (reg, now)
         while len(self.parked) > self.limits.max_entries:
             (_, (old, _)) = self.parked.popitem(last=False)
-            out += [Reject("overflow", f"parked registrations full; dropped {old.request_id}"),
-                    SendFailure(old, "producer_overloaded")]  # fmt: skip
+            out += [
+                Reject("overflow", f"parked registrations full; dropped {old.request_id}"),
+                SendFailure(old, "producer_overloaded"),
+            ]
         return out
 
     def cancel(self, key: Key, consumer_engine: str, consumer_rank: int, now: float) -> list[Action]:
@@ -216,8 +225,10 @@ class ProducerCore:
         for slot, (reg, since) in list(self.parked.items()):
             if now - since >= self.limits.registration_ttl_s:
                 del self.parked[slot]
-                out += [Reject("registration_expired", f"no prefill for {slot[0]} within the TTL"),
-                        SendFailure(reg, "registration_expired")]  # fmt: skip
+                out += [
+                    Reject("registration_expired", f"no prefill for {slot[0]} within the TTL"),
+                    SendFailure(reg, "registration_expired"),
+                ]
         return out
 
     def pending(self) -> dict[str, int]:
@@ -232,8 +243,12 @@ class ProducerCore:
     def _accept(self, key: Key, reg: Registration, now: float) -> list[Action]:
         entry = self.finished[key]
         if reg.consumer_engine != entry.consumer_engine:
-            return [Reject("unexpected_engine", f"{key} registered by {reg.consumer_engine}, "
-                                                f"expected {entry.consumer_engine}")]  # fmt: skip
+            return [
+                Reject(
+                    "unexpected_engine",
+                    f"{key} registered by {reg.consumer_engine}, expected {entry.consumer_engine}",
+                )
+            ]
         targets = set(overlapping_ranks(self.total_heads, self.rank, self.tp_size, reg.consumer_tp))
         if reg.consumer_rank not in targets:
             return [Reject("unexpected_rank", f"{key}: consumer rank {reg.consumer_rank} shares no heads")]
@@ -325,8 +340,9 @@ class ConsumerCore:
         self.expected: dict[Key, _Expected] = {}
         self.early: OrderedDict[Key, list[tuple[Done | Failure, float]]] = OrderedDict()
 
-    def expect(self, key: Key, producer_engine: str, producer_tp: int, deadline_s: float,
-               now: float) -> list[Action]:  # fmt: skip
+    def expect(
+        self, key: Key, producer_engine: str, producer_tp: int, deadline_s: float, now: float
+    ) -> list[Action]:
         if key in self.expected:
             return [Reject("duplicate", f"{key} expected twice")]
         if len(self.expected) >= self.limits.max_entries:
@@ -351,8 +367,12 @@ class ConsumerCore:
                 return [Reject("overflow", f"early notices full; dropped {dropped}")]
             return []
         if msg.producer_engine != entry.producer_engine:
-            return [Reject("unexpected_engine", f"{key}: notice from {msg.producer_engine}, "
-                                                f"expected {entry.producer_engine}")]  # fmt: skip
+            return [
+                Reject(
+                    "unexpected_engine",
+                    f"{key}: notice from {msg.producer_engine}, expected {entry.producer_engine}",
+                )
+            ]
         if msg.producer_rank not in entry.ranks:
             return [Reject("unexpected_rank", f"{key}: producer rank {msg.producer_rank} not expected")]
         if msg.producer_rank in entry.done or msg.producer_rank in entry.failures:

@@ -1,0 +1,487 @@
+"""Endpoint step: the one thread that owns the transport and runs the protocol cores on it.
+
+Callers (vLLM's worker main thread, the demo, tests) only enqueue commands and take results, both
+non-blocking. The thread: drains commands, reads notifications, checks write handles, ticks the
+cores, and carries out their actions. It waits on an event between rounds with a bounded backoff
+(`poll_min_s` right after activity, up to ~8x that while transfers are pending, `poll_max_s` when
+idle), so an idle endpoint costs a few hundred wakeups a second rather than a spinning core.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvferry.connector import protocol as P
+from kvferry.connector.config import KvferryConfig
+from kvferry.connector.layout import KVLayout
+from kvferry.connector.metrics import Metrics
+from kvferry.connector.sidechannel import SideChannelError, SideChannelServer, fetch_peer
+from kvferry.connector.transport import NixlTransport, TransportError
+from kvferry.connector.wire import (
+    Cancel,
+    Done,
+    Failure,
+    PeerInfo,
+    Registration,
+    WireError,
+    decode,
+    encode,
+    layout_from_wire,
+    layout_to_wire,
+)
+
+log = logging.getLogger(__name__)
+Key = P.Key
+
+
+@dataclass
+class Results:
+    """What finished since the last take: keys with reasons."""
+
+    sent: list[Key] = field(default_factory=list)  # producer: source blocks may be freed
+    released: list[tuple[Key, str]] = field(default_factory=list)  # producer: freed without a full send
+    received: list[Key] = field(default_factory=list)  # consumer: KV landed
+    failed: list[tuple[Key, str]] = field(default_factory=list)  # consumer: KV will not land
+
+    def __bool__(self) -> bool:
+        return bool(self.sent or self.released or self.received or self.failed)
+
+
+@dataclass
+class _Write:
+    key: Key
+    rank: int
+    handle: Any
+    started: float
+    nbytes: int
+
+
+def engine_of(agent_name: str) -> str:
+    """Agent names are `<engine>/<rank>/<incarnation>`: the sender's engine, verified on every message."""
+    return agent_name.rsplit("/", 2)[0]
+
+
+class Endpoint:
+    def __init__(
+        self,
+        cfg: KvferryConfig,
+        *,
+        role: str,
+        engine_id: str,
+        tp_rank: int,
+        tp_size: int,
+        layout: KVLayout,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if role not in ("producer", "consumer"):
+            raise ValueError(f"role must be producer or consumer, got {role!r}")
+        self.cfg, self.role, self.engine_id, self.tp_rank, self.tp_size = (
+            cfg,
+            role,
+            engine_id,
+            tp_rank,
+            tp_size,
+        )
+        self.layout, self.metrics = layout, metrics or Metrics()
+        self.incarnation = uuid.uuid4().hex[:8]
+        self.agent_name = f"{engine_id}/{tp_rank}/{self.incarnation}"
+        limits = P.Limits(cfg.lease_s, cfg.registration_ttl_s, cfg.registration_ttl_s, cfg.max_entries)
+        core_args = dict(total_heads=layout.total_heads, rank=tp_rank, tp_size=tp_size, limits=limits)
+        self.producer = P.ProducerCore(**core_args) if role == "producer" else None
+        self.consumer = P.ConsumerCore(**core_args) if role == "consumer" else None
+        self._commands: queue.SimpleQueue[Callable[[float], list[P.Action]]] = queue.SimpleQueue()
+        self._wake, self._stop, self._ready = threading.Event(), threading.Event(), threading.Event()
+        self._results, self._results_cv = Results(), threading.Condition()
+        self._startup_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"kvferry-{role}-{tp_rank}", daemon=True)
+        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kvferry-fetch")  # TCP only, never NIXL
+        self._fetches: dict[
+            tuple[str, int], tuple[Future[PeerInfo], list[Callable[[str | None, str], None]]]
+        ] = {}
+        self._peers: dict[tuple[str, int], tuple[str, str]] = {}  # (host, port) -> (incarnation, agent)
+        self._writes: list[_Write] = []
+        self._recv: dict[Key, tuple[str, int, list[list[int]], int]] = {}  # consumer: host, port, blocks, n
+        self.transport: NixlTransport | None = None
+        self.side: SideChannelServer | None = None
+
+    # ---- lifecycle (caller thread) ----
+    def start(self, timeout_s: float = 60.0) -> Endpoint:
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"kvferry endpoint {self.agent_name} did not start within {timeout_s}s")
+        if self._startup_error is not None:
+            raise self._startup_error
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def side_port(self) -> int:
+        assert self.side is not None
+        return int(self.side.address[1])
+
+    # ---- producer API (any thread, non-blocking) ----
+    def prefill_finished(
+        self, request_id: str, attempt: int, block_ids: list[list[int]], num_tokens: int, consumer_engine: str
+    ) -> None:
+        key = (request_id, attempt)
+        self._submit(
+            lambda now: self.producer.prefill_finished(key, block_ids, num_tokens, consumer_engine, now)
+        )
+
+    def prefill_aborted(self, request_id: str, attempt: int) -> None:
+        self._submit(lambda now: self.producer.prefill_aborted((request_id, attempt), now))
+
+    # ---- consumer API ----
+    def expect(
+        self,
+        request_id: str,
+        attempt: int,
+        *,
+        producer_engine: str,
+        producer_host: str,
+        producer_port: int,
+        producer_tp: int,
+        block_ids: list[list[int]],
+        num_tokens: int,
+        deadline_s: float | None = None,
+    ) -> None:
+        key = (request_id, attempt)
+        deadline = deadline_s if deadline_s is not None else self.cfg.deadline_s
+
+        def run(now: float) -> list[P.Action]:
+            self._recv[key] = (producer_host, producer_port, block_ids, num_tokens)
+            return self.consumer.expect(key, producer_engine, producer_tp, deadline, now)
+
+        self._submit(run)
+
+    def abort(self, request_id: str, attempt: int) -> None:
+        self._submit(lambda now: self.consumer.abort((request_id, attempt), now))
+
+    # ---- results ----
+    def take_results(self) -> Results:
+        with self._results_cv:
+            out, self._results = self._results, Results()
+        return out
+
+    def wait_results(self, timeout_s: float) -> Results:
+        """Block until something finished or the timeout passed (demo and tests; vLLM polls instead)."""
+        with self._results_cv:
+            self._results_cv.wait_for(lambda: bool(self._results), timeout=timeout_s)
+        return self.take_results()
+
+    def _submit(self, command: Callable[[float], list[P.Action]]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _publish(self, fn: Callable[[Results], None]) -> None:
+        with self._results_cv:
+            fn(self._results)
+            self._results_cv.notify_all()
+
+    # ---- the endpoint thread ----
+    def _run(self) -> None:
+        try:
+            self._setup()
+        except BaseException as exc:  # reported to start(), which raises it in the caller
+            self._startup_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        interval = self.cfg.poll_min_s
+        try:
+            while not self._stop.is_set():
+                active = self._round()
+                cap = self.cfg.poll_min_s * 8 if self._busy() else self.cfg.poll_max_s
+                interval = self.cfg.poll_min_s if active else min(interval * 2, cap)
+                self._wake.wait(interval)
+                self._wake.clear()
+        finally:
+            self._teardown()
+
+    def _setup(self) -> None:
+        self.transport = NixlTransport(self.agent_name, self.cfg)
+        self.transport.register(self.layout)
+        info = PeerInfo(
+            self.engine_id,
+            self.agent_name,
+            self.transport.metadata(),
+            self.tp_rank,
+            self.tp_size,
+            self.incarnation,
+            layout_to_wire(self.layout),
+        )
+        port = self.cfg.side_channel_port + self.tp_rank if self.cfg.side_channel_port else 0  # 0: any port
+        self.side = SideChannelServer(self.cfg.side_channel_host, port, encode(info))
+
+    def _teardown(self) -> None:
+        if self.side is not None:
+            self.side.close()
+        if self.transport is not None:
+            for w in self._writes:  # still in flight at shutdown: let NIXL finish or fail them
+                try:
+                    self.transport.release(w.handle)
+                except Exception as exc:
+                    log.debug("releasing a write at shutdown: %s", exc)
+            self.transport.close()
+
+    def _busy(self) -> bool:
+        return bool(self._writes or self._fetches or (self.consumer and self.consumer.expected))
+
+    def _round(self) -> bool:
+        now = time.monotonic()
+        actions: list[P.Action] = []
+        while True:
+            try:
+                actions += self._commands.get_nowait()(now)
+            except queue.Empty:
+                break
+        active = bool(actions)
+        actions += self._read_notifs(now)
+        actions += self._check_writes(now)
+        active |= self._finish_fetches()
+        core = self.producer or self.consumer
+        actions += core.tick(now)
+        for action in actions:
+            self._do(action, now)
+        self.metrics.set_pending(self.role, {**core.pending(), "handshakes": len(self._fetches)})
+        return active or bool(actions)
+
+    def _read_notifs(self, now: float) -> list[P.Action]:
+        out: list[P.Action] = []
+        for sender, messages in self.transport.notifs().items():
+            for raw in messages:
+                out += self._on_message(engine_of(sender), raw, now)
+        return out
+
+    def _on_message(self, sender: str, raw: bytes, now: float) -> list[P.Action]:
+        try:
+            msg = decode(raw)
+        except WireError as exc:
+            return [P.Reject("malformed", f"from {sender}: {exc}")]
+        claimed = getattr(msg, "consumer_engine", None) or getattr(msg, "producer_engine", None)
+        if claimed != sender:  # the NIXL agent name is the sender's identity, not the message's claim
+            return [
+                P.Reject("unexpected_engine", f"{type(msg).__name__} claiming {claimed} sent by {sender}")
+            ]
+        if self.producer is not None and isinstance(msg, Registration):
+            return self.producer.registration(msg, now)
+        if self.producer is not None and isinstance(msg, Cancel):
+            return self.producer.cancel(
+                (msg.request_id, msg.attempt), msg.consumer_engine, msg.consumer_rank, now
+            )
+        if self.consumer is not None and isinstance(msg, Done | Failure):
+            return self.consumer.notice(msg, now)
+        return [P.Reject("unexpected_message", f"{type(msg).__name__} from {sender} on a {self.role}")]
+
+    def _check_writes(self, now: float) -> list[P.Action]:
+        out: list[P.Action] = []
+        for w in list(self._writes):
+            state = self.transport.state(w.handle)
+            timed_out = state == "PROC" and now - w.started > self.cfg.deadline_s
+            if state == "PROC" and not timed_out:
+                continue
+            try:
+                self.transport.release(w.handle)
+            except Exception as exc:  # NIXL refuses to release a live transfer: keep the blocks held
+                log.warning(
+                    "write %s to rank %d still active after %.1fs: %s", w.key, w.rank, now - w.started, exc
+                )
+                continue
+            self._writes.remove(w)
+            ok = state == "DONE"
+            if ok:
+                self.metrics.bytes.labels(self.role).inc(w.nbytes)
+                self.metrics.match_to_done.observe(now - w.started)
+            out += self.producer.write_finished(
+                w.key,
+                w.rank,
+                ok,
+                "write_failed" if state == "ERR" else "write_timeout" if not ok else "",
+                now,
+            )
+        return out
+
+    # ---- actions ----
+    def _do(self, action: P.Action, now: float) -> None:
+        if isinstance(action, P.StartWrite):
+            self.metrics.reg_to_match.observe(action.registration_to_match_s)
+            reg = action.reg
+            self._with_peer(
+                reg.consumer_host,
+                reg.consumer_port,
+                reg.consumer_engine,
+                reg.incarnation,
+                lambda agent, err: self._start_write(action, agent, err),
+            )
+        elif isinstance(action, P.SendFailure):
+            reg = action.reg
+            msg = encode(Failure(reg.request_id, reg.attempt, self.engine_id, self.tp_rank, action.reason))
+            self.metrics.failures.labels(self.role, action.reason).inc()
+            self._with_peer(
+                reg.consumer_host,
+                reg.consumer_port,
+                reg.consumer_engine,
+                reg.incarnation,
+                lambda agent, err: self._send(agent, msg, err),
+            )
+        elif isinstance(action, P.Release):
+            self._publish(
+                lambda r: (
+                    r.sent.append(action.key)
+                    if action.reason == "sent"
+                    else r.released.append((action.key, action.reason))
+                )
+            )
+        elif isinstance(action, P.Register | P.SendCancel):
+            self._to_producers(action, now)
+        elif isinstance(action, P.Received):
+            self._recv.pop(action.key, None)
+            self.metrics.transfers.labels(self.role).inc()
+            self.metrics.receive_wait.observe(action.wait_s)
+            self._publish(lambda r: r.received.append(action.key))
+        elif isinstance(action, P.Failed):
+            self._recv.pop(action.key, None)
+            self.metrics.failures.labels(self.role, action.reason).inc()
+            log.warning("kvferry: receive of %s failed: %s", action.key, action.reason)
+            self._publish(lambda r: r.failed.append((action.key, action.reason)))
+        elif isinstance(action, P.Reject):
+            self.metrics.rejected.labels(self.role, action.reason).inc()
+            log.warning("kvferry %s ignored input (%s): %s", self.role, action.reason, action.detail)
+
+    def _start_write(self, action: P.StartWrite, agent: str | None, err: str) -> None:
+        key, reg, now = action.key, action.reg, time.monotonic()
+        if agent is None:
+            self._feed(
+                self.producer.write_finished(key, reg.consumer_rank, False, "handshake_failed", now), now
+            )
+            return
+        notif = encode(Done(reg.request_id, reg.attempt, self.engine_id, self.tp_rank))
+        try:
+            handle, plan = self.transport.write(
+                agent, action.block_ids, reg.block_ids, reg.num_tokens, notif, mode=self.cfg.descriptors
+            )
+        except (TransportError, ValueError, KeyError) as exc:
+            log.warning("kvferry: write of %s to %s failed to start: %s", key, agent, exc)
+            self._feed(self.producer.write_finished(key, reg.consumer_rank, False, "write_failed", now), now)
+            return
+        self.metrics.descriptors.labels(plan.mode).observe(plan.descriptors)
+        self.metrics.prep_seconds.labels(plan.mode).observe(plan.prep_s)
+        self.metrics.transfers.labels(self.role).inc()
+        self._writes.append(_Write(key, reg.consumer_rank, handle, now, plan.nbytes))
+
+    def _to_producers(self, action: P.Register | P.SendCancel, now: float) -> None:
+        info = self._recv.get(action.key)
+        if info is None:
+            return
+        host, port, blocks, num_tokens = info
+        expected = self.consumer.expected.get(action.key)
+        engine = expected.producer_engine if expected else None
+        for rank in action.producer_ranks:
+            if isinstance(action, P.Register):
+                msg = encode(
+                    Registration(
+                        action.key[0],
+                        action.key[1],
+                        self.engine_id,
+                        self.tp_rank,
+                        self.tp_size,
+                        self.cfg.side_channel_host,
+                        self.side_port,
+                        self.incarnation,
+                        num_tokens,
+                        blocks,
+                    )
+                )
+            else:
+                msg = encode(Cancel(action.key[0], action.key[1], self.engine_id, self.tp_rank))
+
+            def sent(agent: str | None, err: str, rank: int = rank, msg: bytes = msg) -> None:
+                if not self._send(agent, msg, err) and isinstance(action, P.Register) and engine:
+                    fail = Failure(action.key[0], action.key[1], engine, rank, "handshake_failed")
+                    self._feed(self.consumer.notice(fail, time.monotonic()), time.monotonic())
+
+            self._with_peer(host, port + rank, engine, None, sent)
+
+    def _send(self, agent: str | None, payload: bytes, err: str) -> bool:
+        if agent is None:
+            log.warning("kvferry: cannot notify a peer: %s", err)
+            return False
+        try:
+            self.transport.send(agent, payload)
+            return True
+        except Exception as exc:  # a dead or replaced peer: forget it so the next use refetches
+            log.warning("kvferry: notification to %s failed: %s", agent, exc)
+            self._peers = {k: v for k, v in self._peers.items() if v[1] != agent}
+            return False
+
+    def _feed(self, actions: list[P.Action], now: float) -> None:
+        for action in actions:
+            self._do(action, now)
+
+    # ---- peers: fetched on the fetch thread, loaded into NIXL here ----
+    def _with_peer(
+        self,
+        host: str,
+        port: int,
+        engine: str | None,
+        incarnation: str | None,
+        then: Callable[[str | None, str], None],
+    ) -> None:
+        cached = self._peers.get((host, port))
+        if cached and (incarnation is None or cached[0] == incarnation):
+            then(cached[1], "")
+            return
+        if (host, port) in self._fetches:
+            self._fetches[(host, port)][1].append(then)
+            return
+        future = self._fetcher.submit(self._fetch, host, port, engine)
+        future.add_done_callback(lambda _: self._wake.set())
+        self._fetches[(host, port)] = (future, [then])
+
+    def _fetch(self, host: str, port: int, engine: str | None) -> PeerInfo:
+        delay, last = 0.05, None
+        for _ in range(self.cfg.handshake_attempts):
+            try:
+                info = fetch_peer(host, port, self.cfg.handshake_timeout_s)
+            except SideChannelError as exc:
+                last = exc
+                time.sleep(delay)
+                delay *= 4
+                continue
+            if engine is not None and info.engine_id != engine:
+                raise SideChannelError(
+                    f"side channel {host}:{port} is engine {info.engine_id!r}, expected {engine!r}"
+                )
+            return info
+        raise SideChannelError(f"{last} (after {self.cfg.handshake_attempts} attempts)")
+
+    def _finish_fetches(self) -> bool:
+        done = [addr for addr, (future, _) in self._fetches.items() if future.done()]
+        for addr in done:
+            future, waiters = self._fetches.pop(addr)
+            agent, err = None, ""
+            try:
+                info = future.result()
+                agent = self.transport.load_peer(info.agent_metadata, layout_from_wire(info.layout))
+                self._peers[addr] = (info.incarnation, agent)
+                self.metrics.handshakes.labels("ok").inc()
+            except Exception as exc:  # any failure fails the waiting transfers, never the thread
+                err = str(exc)
+                self.metrics.handshakes.labels("failed").inc()
+                log.warning("kvferry: peer %s:%d unavailable: %s", *addr, err)
+            for then in waiters:
+                then(agent, err)
+        return bool(done)

@@ -1,0 +1,152 @@
+"""Demo step: one kvferry endpoint per TP rank in its own process, driven by commands over a pipe.
+
+`kvferry transfer-demo`, tests/nixl and bench/transfer_bench.py use it to run real NIXL agents in
+separate processes (as vLLM's workers are). Every call has a timeout, and `stop()` ends the process
+by its PID, killing it if it does not exit in time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvferry.connector.config import KvferryConfig
+from kvferry.connector.hostkv import CacheShape, HostKV
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    role: str  # producer | consumer
+    engine_id: str
+    tp_rank: int
+    shape: CacheShape
+    extra: dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config
+
+
+class RankProcess:
+    """Parent-side handle of one endpoint process."""
+
+    def __init__(self, spec: RankSpec, start_timeout_s: float = 60.0) -> None:
+        ctx = mp.get_context("spawn")  # a clean interpreter: no inherited NIXL/UCX state
+        self.spec = spec
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_child_main, args=(child, spec), name=f"kvferry-{spec.role}-{spec.tp_rank}"
+        )
+        self.proc.start()
+        child.close()
+        self.port = self._reply(start_timeout_s)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc.pid is not None
+        return self.proc.pid
+
+    def call(self, op: str, *args: Any, timeout_s: float = 30.0) -> Any:
+        self.conn.send((op, args))
+        return self._reply(timeout_s)
+
+    def _reply(self, timeout_s: float) -> Any:
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"{self.proc.name} (pid {self.proc.pid}) did not answer within {timeout_s}s")
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(
+                f"{self.proc.name} (pid {self.proc.pid}) exited: {self.proc.exitcode}"
+            ) from None
+        if status != "ok":
+            raise RuntimeError(f"{self.proc.name}: {value}")
+        return value
+
+    def kill(self) -> None:
+        """Hard kill (the 'peer died' fault)."""
+        if self.proc.is_alive():
+            os.kill(self.pid, signal.SIGKILL)
+        self.proc.join(5)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(BrokenPipeError, OSError):
+                self.conn.send(("stop", ()))
+            self.proc.join(timeout_s)
+        if self.proc.is_alive():
+            self.kill()
+        self.conn.close()
+
+
+def _child_main(conn: Any, spec: RankSpec) -> None:
+    from kvferry.connector.endpoint import Endpoint
+
+    kv = HostKV(spec.shape, spec.tp_rank)
+    cfg = KvferryConfig.from_extra({"backends": ["UCX"], "side_channel_port": 0, **spec.extra})
+    try:
+        ep = Endpoint(
+            cfg,
+            role=spec.role,
+            engine_id=spec.engine_id,
+            tp_rank=spec.tp_rank,
+            tp_size=spec.shape.tp_size,
+            layout=kv.layout,
+        ).start()
+    except Exception as exc:
+        conn.send(("error", f"start failed: {exc}"))
+        return
+    conn.send(("ok", ep.side_port))
+    try:
+        while True:
+            op, args = conn.recv()
+            if op == "stop":
+                break
+            try:
+                conn.send(("ok", _handle(ep, kv, op, args)))
+            except Exception:
+                conn.send(("error", traceback.format_exc(limit=3)))
+    except (EOFError, KeyboardInterrupt):
+        pass
+    finally:
+        ep.close()
+
+
+def _handle(ep: Any, kv: HostKV, op: str, args: tuple) -> Any:
+    if op == "finish":  # producer: prefill computed -> fill the blocks, hand them over
+        request_id, attempt, blocks, num_tokens, consumer = args
+        kv.fill(blocks, num_tokens)
+        t0 = time.perf_counter()
+        ep.prefill_finished(request_id, attempt, [blocks], num_tokens, consumer)
+        return time.perf_counter() - t0  # the hand-off cost on the caller's thread
+    if op == "abort":
+        request_id, attempt = args
+        (ep.prefill_aborted if ep.role == "producer" else ep.abort)(request_id, attempt)
+        return None
+    if op == "expect":
+        request_id, attempt, kw = args
+        ep.expect(request_id, attempt, **kw)
+        return None
+    if op == "results":  # everything that finishes within the timeout, or until `want` results
+        (timeout_s, want) = args
+        return _collect(ep, timeout_s, want)
+    if op == "mismatches":
+        blocks, num_tokens = args
+        return kv.mismatches(blocks, num_tokens)
+    if op == "metrics":
+        from prometheus_client import generate_latest
+
+        return generate_latest(ep.metrics.registry).decode()
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _collect(ep: Any, timeout_s: float, want: int) -> dict[str, list]:
+    out: dict[str, list] = {"sent": [], "released": [], "received": [], "failed": []}
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and sum(map(len, out.values())) < want:
+        r = ep.wait_results(max(0.0, end - time.monotonic()))
+        for name in out:
+            out[name] += getattr(r, name)
+    return out
