@@ -1,0 +1,294 @@
+"""Launch step: start vLLM-CPU servers with kvferry's launch fixes, from the CLI or from Python.
+
+Fixes applied in code, not with a sitecustomize shim:
+- `vllm serve` looks up the distribution "vllm", but the CPU build is `vllm-cpu`: we start the
+  server module (`python -m vllm.entrypoints.openai.api_server`) instead of the CLI.
+- `VLLM_CPU_OMP_THREADS_BIND` is set per process (`auto` reserves cores a 2-core host does not
+  have and runs ~10x slower), `VLLM_CPU_KVCACHE_SPACE` bounds the KV cache, the hub is offline.
+- NIXL's CPU worker init re-pins the worker's main thread to the last core; `VllmProcess.pin()`
+  moves the worker back onto its cores once the server is up.
+- Opt-in `no_progress_thread` turns off the UCX progress thread of upstream NIXL connectors (a
+  patch of upstream behaviour, see upstream_patches.py).
+
+    kvferry serve [--cores 0] [--kv-cache-gib 1] [--no-progress-thread] -- MODEL --port 8100 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from kvferry.connector.promtext import metric_sum, parse_metrics
+from kvferry.connector.upstream_patches import ENV_NO_PROGRESS_THREAD
+
+__all__ = ["ServerSpec", "VllmProcess", "free_port", "metric_sum", "parse_metrics"]
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+ROLES = ("single", "prefill", "decode")
+UPSTREAM_CONNECTORS = ("NixlConnector", "NixlPushConnector")
+KVFERRY_CONNECTOR = "KvferryConnector"
+
+
+@dataclass
+class ServerSpec:
+    """One vLLM server: model, role in a P/D pair, connector and the CPU resources it may use."""
+
+    model: Path
+    port: int
+    role: str = "single"
+    connector: str | None = None
+    engine_id: str | None = None
+    side_port: int | None = None
+    block_size: int | None = None
+    cores: str = "0"
+    kv_cache_gib: float = 1.0
+    max_model_len: int = 2048
+    served_name: str = "tiny"
+    host: str = "127.0.0.1"
+    no_progress_thread: bool = False
+    connector_extra: dict[str, Any] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r} is not one of {ROLES}")
+        if (self.role == "single") != (self.connector is None):
+            raise ValueError("a connector is needed exactly when role is prefill or decode")
+        if self.connector is not None:
+            if self.connector not in (*UPSTREAM_CONNECTORS, KVFERRY_CONNECTOR):
+                raise ValueError(f"unknown connector {self.connector!r}")
+            if not self.engine_id or not self.side_port:
+                raise ValueError(f"{self.role} server needs engine_id and side_port")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def kv_transfer_config(spec: ServerSpec) -> dict[str, Any] | None:
+    """The --kv-transfer-config JSON for a P/D role (docs/contracts.md §3)."""
+    if spec.connector is None:
+        return None
+    config: dict[str, Any] = {
+        "kv_connector": spec.connector,
+        "kv_role": "kv_producer" if spec.role == "prefill" else "kv_consumer",
+        "kv_buffer_device": "cpu",
+        "engine_id": spec.engine_id,
+    }
+    extra = dict(spec.connector_extra)
+    if spec.connector == KVFERRY_CONNECTOR:
+        config["kv_connector_module_path"] = "kvferry.connector"
+        extra.setdefault("side_channel_host", spec.host)
+        extra.setdefault("side_channel_port", spec.side_port)
+    if extra:
+        config["kv_connector_extra_config"] = extra
+    return config
+
+
+def command(spec: ServerSpec, python: str = sys.executable) -> list[str]:
+    cmd = [python, "-m", SERVER_MODULE, "--model", str(spec.model), "--served-model-name", spec.served_name]
+    cmd += ["--host", spec.host, "--port", str(spec.port), "--dtype", "float32"]
+    cmd += ["--max-model-len", str(spec.max_model_len), "--enforce-eager", "--no-enable-prefix-caching"]
+    if spec.block_size is not None:
+        cmd += ["--block-size", str(spec.block_size)]
+    config = kv_transfer_config(spec)
+    if config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(config)]
+    return cmd + list(spec.extra_args)
+
+
+def launch_env(
+    cores: str, kv_cache_gib: float, no_progress_thread: bool, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """Environment for one vLLM process: pinned OMP threads, bounded KV cache, hub offline."""
+    env = dict(os.environ if base is None else base)
+    env.update(
+        VLLM_CPU_OMP_THREADS_BIND=cores,
+        VLLM_CPU_KVCACHE_SPACE=f"{kv_cache_gib:g}",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
+    if no_progress_thread:
+        env[ENV_NO_PROGRESS_THREAD] = "1"
+    else:
+        env.pop(ENV_NO_PROGRESS_THREAD, None)
+    return env
+
+
+def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = launch_env(spec.cores, spec.kv_cache_gib, spec.no_progress_thread, base)
+    if spec.side_port is not None:
+        # Bound and advertised by upstream NIXL connectors: must be the address peers dial.
+        env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=spec.host, VLLM_NIXL_SIDE_CHANNEL_PORT=str(spec.side_port))
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def parse_cores(cores: str) -> set[int]:
+    """'0', '0-1' or '0,2' -> {0, ...}."""
+    result: set[int] = set()
+    for part in cores.split(","):
+        lo, _, hi = part.partition("-")
+        result.update(range(int(lo), int(hi or lo) + 1))
+    return result
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class VllmProcess:
+    """A vLLM server in its own process group: start, wait for /health, scrape, stop by PID."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path | None = None) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def start(self) -> VllmProcess:
+        self._log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            command(self.spec),
+            env=server_env(self.spec),
+            stdout=self._log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: stop() reaches engine core and workers
+        )
+        return self
+
+    def wait_ready(self, timeout_s: float = 240.0) -> VllmProcess:
+        """Poll /health until 200; raise with the log tail if the process dies or time runs out."""
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM {self.spec.role} exited with {self.proc.returncode}: {self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM {self.spec.role} not healthy after {timeout_s:.0f}s: {self.log_tail()}")
+
+    def pin(self) -> int:
+        """Move every thread of the server's worker processes onto spec.cores; returns threads moved."""
+        assert self.proc is not None
+        cores, moved = parse_cores(self.spec.cores), 0
+        for pid in _descendants(self.proc.pid):
+            try:
+                if "Worker" not in Path(f"/proc/{pid}/comm").read_text():
+                    continue
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    os.sched_setaffinity(int(task.name), cores)
+                    moved += 1
+            except (OSError, ValueError):
+                continue  # a thread or process ended meanwhile
+        return moved
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10.0).text)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        return self.log_path.read_bytes()[-chars:].decode(errors="replace")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the process group, SIGKILL it after grace_s."""
+        if self.proc is not None and self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if self.proc is not None:
+            # Engine-core or worker children can outlive the API server; the group reaches them.
+            _signal_group(self.proc.pid, signal.SIGKILL)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> VllmProcess:
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvferry serve",
+        description=__doc__.splitlines()[0],
+        usage="%(prog)s [options] -- MODEL [vllm args]",
+    )
+    parser.add_argument("--cores", default="0", help="VLLM_CPU_OMP_THREADS_BIND value (never 'auto')")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument(
+        "--no-progress-thread",
+        action="store_true",
+        help="patch upstream NIXL connectors to run without the UCX progress thread",
+    )
+    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="MODEL then vLLM server arguments")
+    args = parser.parse_args(argv)
+    rest = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    if args.cores == "auto":
+        parser.error("--cores auto reserves cores a small host does not have; give explicit cores")
+    if rest and not rest[0].startswith("-"):
+        rest = ["--model", *rest]  # `vllm serve MODEL ...` style
+    if "--model" not in rest:
+        parser.error("give the model folder: kvferry serve -- MODEL [vllm args]")
+    env = launch_env(args.cores, args.kv_cache_gib, args.no_progress_thread)
+    os.execvpe(sys.executable, [sys.executable, "-m", SERVER_MODULE, *rest], env)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
