@@ -16,6 +16,7 @@ Fixes applied in code, not with a sitecustomize shim:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -28,7 +29,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
-
 from kvferry.connector.promtext import metric_sum, parse_metrics
 from kvferry.connector.upstream_patches import ENV_NO_PROGRESS_THREAD
 
@@ -257,10 +257,8 @@ class VllmProcess:
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,12 +50,69 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-WORDS = (
-    "the a one every some cache block token prefill decode router ferry river boat harbor light "
-    "quick slow red blue green small large old new first last request engine layer head value key "
-    "moves carries writes reads waits sends holds finds opens closes crosses returns counts over "
-    "under across into from with without near far today tomorrow morning evening north south"
-).split()
+WORDS = [
+    "the",
+    "a",
+    "one",
+    "every",
+    "some",
+    "cache",
+    "block",
+    "token",
+    "prefill",
+    "decode",
+    "router",
+    "ferry",
+    "river",
+    "boat",
+    "harbor",
+    "light",
+    "quick",
+    "slow",
+    "red",
+    "blue",
+    "green",
+    "small",
+    "large",
+    "old",
+    "new",
+    "first",
+    "last",
+    "request",
+    "engine",
+    "layer",
+    "head",
+    "value",
+    "key",
+    "moves",
+    "carries",
+    "writes",
+    "reads",
+    "waits",
+    "sends",
+    "holds",
+    "finds",
+    "opens",
+    "closes",
+    "crosses",
+    "returns",
+    "counts",
+    "over",
+    "under",
+    "across",
+    "into",
+    "from",
+    "with",
+    "without",
+    "near",
+    "far",
+    "today",
+    "tomorrow",
+    "morning",
+    "evening",
+    "north",
+    "south",
+]
 
 
 def recipe(arch: str) -> dict[str, Any]:
