@@ -90,3 +90,12 @@ def test_rolling_out_reports_the_progressing_reason() -> None:
 def test_transfer_unknown_does_not_block_health() -> None:
     conditions = [cond("Ready", "True"), cond("TransferHealthy", "Unknown", "NoTrafficYet")]
     assert health(inference(conditions=conditions))[0] == "Healthy"
+
+
+def test_the_argocd_cm_patch_carries_exactly_this_script() -> None:
+    import yaml
+
+    patch = yaml.safe_load((SCRIPT.parent / "argocd-cm.yaml").read_text())
+    assert patch["data"] == {
+        "resource.customizations.health.kvferry.io_DisaggregatedInference": SCRIPT.read_text()
+    }
