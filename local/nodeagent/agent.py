@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from kvferry.local.nodeagent import alloc, status
+from kvferry.local.nodeagent import alloc, image, status
 from kvferry.local.nodeagent.kube import Kube, KubeError
 from kvferry.local.nodeagent.pod import PodWorker
 from kvferry.local.nodeagent.podspec import PodContext
@@ -44,6 +44,7 @@ class NodeAgent:
         self.addresses = alloc.AddressPool(pod_cidr)
         self.cores = alloc.CorePool(cores)
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"kvferry-node-{node}-"))
+        self.bin_dir = image.write_bin_dir(self.workdir / "bin")
         self.kube: Kube | None = None
         self.workers: dict[str, PodWorker] = {}
         self._lock = threading.Lock()
@@ -110,11 +111,13 @@ class NodeAgent:
     def _new_worker(self, pod: dict[str, Any]) -> PodWorker:
         assert self.kube is not None
         server = urlparse(self.kube.server)
+        pod_ip = self.addresses.take()
         ctx = PodContext(
-            pod_ip=self.addresses.take(),
+            pod_ip=pod_ip,
             host_ip=self.host_ip,
             apiserver_host=server.hostname or "127.0.0.1",
             apiserver_port=server.port or 443,
+            extra_env=image.pod_env(self.bin_dir, pod_ip),
         )
         meta = pod["metadata"]
         root = self.workdir / "pods" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"

@@ -103,6 +103,17 @@ class ContainerRunner:
         self.readiness = ProbeState(self.spec.get("readinessProbe"), True)
         self.liveness = ProbeState(self.spec.get("livenessProbe"), True)
 
+    def pre_stop(self, budget_s: float) -> None:
+        """Run the container's preStop hook (sleep or exec), bounded by `budget_s`."""
+        hook = (self.spec.get("lifecycle") or {}).get("preStop") or {}
+        if "sleep" in hook:
+            time.sleep(min(float(hook["sleep"].get("seconds", 0)), budget_s))
+        elif "exec" in hook:
+            with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+                subprocess.run(
+                    hook["exec"]["command"], env=self.plan.env, capture_output=True, timeout=budget_s
+                )
+
     def stop(self, grace_s: float) -> None:
         if self.proc is not None:
             code = kill_group(self.proc, grace_s)
