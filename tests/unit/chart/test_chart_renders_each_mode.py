@@ -1,0 +1,163 @@
+"""The chart rendered by the real `helm` binary, one behaviour per test (cert-manager-style chart tests).
+
+Offline: `helm template`/`helm lint` only. tests/cluster/test_install_*.py sends the output to a real
+API server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+from kvferry.local.chart import artifacts, helm
+
+CHART = artifacts.CHART
+CRD_NAMES = {
+    "disaggregatedinferences.kvferry.io",
+    "kopfpeerings.kopf.dev",
+    "clusterkopfpeerings.kopf.dev",
+}
+
+
+def render(*set_values: str, namespace: str = "kvferry-system") -> list[dict[str, Any]]:
+    text = helm.template(CHART, namespace=namespace, set_values=set_values)
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def operator_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = by_kind(docs, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def resources_granted(role: dict[str, Any]) -> set[str]:
+    return {res for rule in role["rules"] for res in rule["resources"]}
+
+
+def test_lint_is_clean_in_every_mode(tmp_path) -> None:
+    namespaced = tmp_path / "namespaced.yaml"
+    namespaced.write_text("operator: {watch: {scope: namespaces, namespaces: [a, b]}, replicas: 2}\n")
+    helm.lint(CHART)
+    helm.lint(CHART, values=[namespaced])
+
+
+def test_default_render_has_exactly_the_expected_objects() -> None:
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in render())
+    assert kinds == sorted(
+        [
+            ("ClusterRole", "kvferry"),
+            ("ClusterRoleBinding", "kvferry"),
+            ("Deployment", "kvferry"),
+            ("Service", "kvferry-metrics"),
+            ("ServiceAccount", "kvferry"),
+            *[("CustomResourceDefinition", name) for name in CRD_NAMES],
+        ]
+    )
+
+
+def test_operator_pod_is_locked_down() -> None:
+    docs = render()
+    pod = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    container = operator_container(docs)
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["port"] == "healthz"
+    assert container["resources"]["limits"]["memory"] == "512Mi"
+
+
+def test_cluster_scope_watches_all_namespaces_through_one_cluster_role() -> None:
+    docs = render()
+    assert "--all-namespaces" in operator_container(docs)["args"]
+    (cluster_role,) = by_kind(docs, "ClusterRole")
+    assert {"disaggregatedinferences", "statefulsets"} <= resources_granted(cluster_role)
+
+
+def test_namespaced_scope_grants_workload_access_only_in_the_watched_namespaces() -> None:
+    docs = render("operator.watch.scope=namespaces", "operator.watch.namespaces={team-a,team-b}")
+    args = operator_container(docs)["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args
+    assert "--all-namespaces" not in args
+    roles = {
+        r["metadata"]["namespace"]: r for r in by_kind(docs, "Role") if r["metadata"]["name"] == "kvferry"
+    }
+    assert set(roles) == {"team-a", "team-b"}
+    for role in roles.values():
+        assert {"disaggregatedinferences", "statefulsets"} <= resources_granted(role)
+    for cluster_role in by_kind(docs, "ClusterRole"):
+        assert not {"statefulsets", "secrets", "pods"} & resources_granted(cluster_role)
+
+
+def test_namespaced_scope_defaults_to_the_release_namespace() -> None:
+    docs = render("operator.watch.scope=namespaces", namespace="inference")
+    assert "--namespace=inference" in operator_container(docs)["args"]
+
+
+def test_crds_are_kept_on_uninstall_by_default_and_can_be_left_out() -> None:
+    crds = by_kind(render(), "CustomResourceDefinition")
+    assert {c["metadata"]["name"] for c in crds} == CRD_NAMES
+    assert all(c["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep" for c in crds)
+    unkept = by_kind(render("crds.keep=false"), "CustomResourceDefinition")
+    assert all("annotations" not in c["metadata"] for c in unkept)
+    assert by_kind(render("crds.enabled=false"), "CustomResourceDefinition") == []
+
+
+def test_chart_crd_is_the_generated_crd() -> None:
+    (source,) = artifacts.load_crds("disaggregatedinferences.yaml")
+    (rendered,) = [
+        c for c in by_kind(render(), "CustomResourceDefinition") if c["spec"]["group"] == "kvferry.io"
+    ]
+    assert rendered["spec"] == source["spec"]
+
+
+def test_two_replicas_need_leader_election() -> None:
+    with pytest.raises(helm.HelmError, match="operator.replicas > 1 needs operator.leaderElection.enabled"):
+        render("operator.replicas=2", "operator.leaderElection.enabled=false")
+    assert by_kind(render("operator.replicas=2"), "Deployment")[0]["spec"]["replicas"] == 2
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("operator.replicas=two", "operator.replicas"),
+        ("operator.replica=2", "replica"),
+        ("operator.watch.scope=everywhere", "operator.watch.scope"),
+    ],
+)
+def test_bad_values_fail_with_a_message_naming_the_key(setting: str, message: str) -> None:
+    with pytest.raises(helm.HelmError) as err:
+        render(setting)
+    assert "schema" in str(err.value) and message in str(err.value)
+
+
+def test_service_monitor_is_opt_in() -> None:
+    assert by_kind(render(), "ServiceMonitor") == []
+    (monitor,) = by_kind(
+        render("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prom"),
+        "ServiceMonitor",
+    )
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def test_image_digest_wins_over_the_tag() -> None:
+    digest = "sha256:" + "a" * 64
+    image = operator_container(render(f"operator.image.digest={digest}", "operator.image.tag=9.9.9"))["image"]
+    assert image.endswith("@" + digest)
+    assert operator_container(render())["image"].endswith(":0.1.0")
+
+
+def test_generated_files_are_in_sync() -> None:
+    """CRD and RBAC templates, manifests/install.yaml and the Argo CD patch equal a fresh generation."""
+    wanted = artifacts.render_all()
+    stale = [str(p.relative_to(artifacts.ROOT)) for p in artifacts.stale(wanted)]
+    assert stale == [], "run `python -m kvferry.local.chart sync`"
