@@ -1,0 +1,158 @@
+"""Apply step: server-side apply of rendered objects under the field manager `kvferry`, plus the few reads.
+
+One small client over the kubernetes package's ApiClient (no discovery round-trips: the kinds the operator
+touches are a fixed table). It counts requests so benchmarks can report API calls per reconcile.
+
+Conflicts: an apply first goes without `force`; on 409 it is repeated with `force=true`. The rendered
+objects only hold fields the operator owns, so forcing only takes those back (a hand edit of the image,
+say); fields we never render (HPA-owned replicas, other controllers' annotations) are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from kubernetes import client, config
+from kvferry.operator import names
+from kvferry.operator.spec import GROUP, PLURAL, VERSION
+
+# kind -> (API prefix, plural); everything the operator reads or writes.
+RESOURCES: dict[str, tuple[str, str]] = {
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "Service": ("/api/v1", "services"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "Pod": ("/api/v1", "pods"),
+    "StatefulSet": ("/apis/apps/v1", "statefulsets"),
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "DisaggregatedInference": (f"/apis/{GROUP}/{VERSION}", PLURAL),
+}
+REQUEST_TIMEOUT_S = 30.0  # every call is bounded; kopf retries the handler on timeouts
+
+
+class KubeError(RuntimeError):
+    """An API call failed; `status` is the HTTP status (0 for transport errors)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}" if status else message)
+        self.status = status
+
+
+@dataclass
+class Kube:
+    """The operator's API client: SSA apply, get, list, status patch; with request counters."""
+
+    api: client.ApiClient
+    requests: Counter = field(default_factory=Counter)  # "VERB kind" -> count
+    forbidden: Counter = field(default_factory=Counter)  # 403s by "VERB kind": RBAC gaps show up here
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def from_kubeconfig(cls, path: str | None = None) -> Kube:
+        """In-cluster credentials when running in a pod, else the kubeconfig (KUBECONFIG or `path`)."""
+        cfg = client.Configuration()
+        try:
+            if path:
+                raise config.ConfigException("explicit kubeconfig")
+            config.load_incluster_config(client_configuration=cfg)
+        except config.ConfigException:
+            config.load_kube_config(config_file=path, client_configuration=cfg)
+        return cls(client.ApiClient(cfg))
+
+    def close(self) -> None:
+        self.api.close()
+
+    def total_requests(self) -> int:
+        with self._lock:
+            return sum(self.requests.values())
+
+    # --- paths ---
+
+    @staticmethod
+    def path(kind: str, namespace: str | None, name: str | None = None, sub: str | None = None) -> str:
+        prefix, plural = RESOURCES[kind]
+        parts = [prefix] + ([f"namespaces/{quote(namespace)}"] if namespace else []) + [plural]
+        parts += [quote(name)] if name else []
+        parts += [sub] if sub else []
+        return "/".join(parts)
+
+    # --- calls ---
+
+    def _call(
+        self,
+        method: str,
+        kind: str,
+        path: str,
+        *,
+        query: dict[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            self.requests[f"{method} {kind}"] += 1
+        url = path + ("?" + urlencode(query) if query else "")
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        req = self.api.param_serialize(
+            method=method, resource_path=url, header_params=headers, body=body, auth_settings=["BearerToken"]
+        )
+        try:
+            resp = self.api.call_api(*req, _request_timeout=REQUEST_TIMEOUT_S)
+            resp.read()
+        except Exception as exc:  # urllib3 transport errors: report, kopf retries
+            raise KubeError(0, f"{method} {url}: {exc}") from exc
+        data = json.loads(resp.data) if resp.data else {}
+        if resp.status == 403:
+            with self._lock:
+                self.forbidden[f"{method} {kind}"] += 1
+        return resp.status, data
+
+    def _ok(self, status: int, data: dict[str, Any], what: str) -> dict[str, Any]:
+        if status >= 400:
+            raise KubeError(status, f"{what}: {data.get('message', data)}")
+        return data
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply `obj` as field manager `kvferry`; returns the object as stored."""
+        meta = obj["metadata"]
+        path = self.path(obj["kind"], meta.get("namespace"), meta["name"])
+        query = {"fieldManager": names.FIELD_MANAGER}
+        ctype = "application/apply-patch+yaml"  # JSON is YAML; the server accepts it as an apply patch
+        status, data = self._call("PATCH", obj["kind"], path, query=query, body=obj, content_type=ctype)
+        if status == 409:
+            status, data = self._call(
+                "PATCH", obj["kind"], path, query={**query, "force": "true"}, body=obj, content_type=ctype
+            )
+        return self._ok(status, data, f"apply {obj['kind']} {meta.get('namespace')}/{meta['name']}")
+
+    def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        status, data = self._call("GET", kind, self.path(kind, namespace, name))
+        return None if status == 404 else self._ok(status, data, f"get {kind} {namespace}/{name}")
+
+    def list(self, kind: str, namespace: str | None, selector: dict[str, str]) -> list[dict[str, Any]]:
+        query = {"labelSelector": ",".join(f"{k}={v}" for k, v in selector.items())}
+        status, data = self._call("GET", kind, self.path(kind, namespace), query=query)
+        return self._ok(status, data, f"list {kind} in {namespace}").get("items", [])
+
+    def patch_status(self, namespace: str, name: str, status_patch: dict[str, Any]) -> dict[str, Any]:
+        """JSON merge patch of the CR's status subresource (kopf never writes there: handlers return None)."""
+        path = self.path("DisaggregatedInference", namespace, name, "status")
+        code, data = self._call(
+            "PATCH",
+            "DisaggregatedInference/status",
+            path,
+            body={"status": status_patch},
+            content_type="application/merge-patch+json",
+        )
+        return self._ok(code, data, f"patch status {namespace}/{name}")
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

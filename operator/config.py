@@ -1,0 +1,102 @@
+"""Config step: the operator's settings in one object; each field reads a KVFERRY_* env var or a flag.
+
+docs/operator.md lists these (from `describe()`), so the table and the code cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvferry.operator.render import DEFAULT_ROUTER_IMAGE
+
+
+def setting(default: Any, env: str, doc: str) -> Any:
+    return field(default=default, metadata={"env": env, "doc": doc})
+
+
+@dataclass
+class OperatorConfig:
+    namespaces: tuple[str, ...] = setting(
+        (), "KVFERRY_NAMESPACES", "Namespaces to watch (comma-separated); empty = cluster-wide."
+    )
+    kubeconfig: str = setting(
+        "", "KVFERRY_KUBECONFIG", "Kubeconfig file; empty = in-cluster credentials, else KUBECONFIG."
+    )
+    standalone: bool = setting(
+        False, "KVFERRY_STANDALONE", "Run without peering (no leader election); for one replica or tests."
+    )
+    peering: str = setting(
+        "",
+        "KVFERRY_PEERING",
+        "kopf peering name for leader election between replicas; set = peering required "
+        "(install crds/kopf-peerings.yaml). Empty = 'kvferry' if that peering exists.",
+    )
+    priority: int = setting(
+        0, "KVFERRY_PRIORITY", "Peering priority; 0 = random, so identical replicas elect one leader."
+    )
+    router_image: str = setting(
+        DEFAULT_ROUTER_IMAGE,
+        "KVFERRY_ROUTER_IMAGE",
+        "Router image when a CR sets none (the operator image holds the router).",
+    )
+    metrics_interval: float = setting(
+        30.0, "KVFERRY_METRICS_INTERVAL", "Seconds between transfer-metrics scrapes per CR."
+    )
+    metrics_timeout: float = setting(
+        2.0, "KVFERRY_METRICS_TIMEOUT", "Per-pod timeout of a metrics scrape, seconds."
+    )
+    metrics_url: str = setting(
+        "http://{pod_ip}:{port}/metrics",
+        "KVFERRY_METRICS_URL",
+        "Where engine metrics are read: template with {pod}, {pod_ip}, {namespace}, "
+        "{port}, {role}. A CR annotation kvferry.io/metrics-url overrides it.",
+    )
+    resync_interval: float = setting(
+        300.0,
+        "KVFERRY_RESYNC_INTERVAL",
+        "Seconds between full reconciles of each CR (catches drift of kinds "
+        "that are not watched: PDBs, RBAC).",
+    )
+    liveness: str = setting(
+        "", "KVFERRY_LIVENESS", "host:port for the /healthz liveness endpoint; empty = none."
+    )
+    apply_pause_seconds: float = setting(
+        0.0,
+        "KVFERRY_APPLY_PAUSE_SECONDS",
+        "Test hook: sleep between object applies (to kill the operator mid-reconcile). Keep 0 in production.",
+    )
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> OperatorConfig:
+        environ = dict(os.environ if environ is None else environ)
+        values: dict[str, Any] = {}
+        for fl in dataclasses.fields(cls):
+            raw = environ.get(fl.metadata["env"])
+            if raw is None:
+                continue
+            values[fl.name] = _coerce(fl.default, raw, fl.metadata["env"])
+        return cls(**values)
+
+
+def _coerce(default: Any, raw: str, env: str) -> Any:
+    try:
+        if isinstance(default, bool):
+            if raw.lower() not in ("1", "true", "yes", "0", "false", "no", ""):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        if isinstance(default, tuple):
+            return tuple(part.strip() for part in raw.split(",") if part.strip())
+        return type(default)(raw)
+    except ValueError:
+        raise ValueError(f"{env}={raw!r}: expected {type(default).__name__}") from None
+
+
+def describe() -> list[tuple[str, str, str, str]]:
+    """(field, env var, default, doc) rows for docs/operator.md."""
+    return [
+        (f.name, f.metadata["env"], repr(f.default), f.metadata["doc"])
+        for f in dataclasses.fields(OperatorConfig)
+    ]

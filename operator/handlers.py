@@ -1,0 +1,150 @@
+"""Handlers step: the kopf table of contents. Each handler is a few lines that call reconcile/scrape.
+
+- CR created/updated/resumed -> `reconcile` (render, apply, status).
+- A managed StatefulSet/Deployment/Service/ConfigMap changes -> `on_owned_change` (re-apply on drift or
+  deletion, else refresh status from the watched objects): the level-based re-trigger.
+- Timers per CR: transfer metrics (`scrape`) and a slow full resync (drift of unwatched kinds).
+Handlers return None so kopf writes nothing into status; its progress lives in kvferry.io annotations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+from kvferry.operator import names, reconcile, scrape
+from kvferry.operator.apply import Kube
+from kvferry.operator.config import OperatorConfig
+from kvferry.operator.spec import GROUP, PLURAL, VERSION
+
+CR = (GROUP, VERSION, PLURAL)
+MANAGED = {names.LABEL_MANAGED_BY: names.MANAGED_BY}
+# (group, version, plural) of managed kinds whose edits are corrected at once; others by the resync timer.
+WATCHED = [
+    ("apps", "v1", "statefulsets"),
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("", "v1", "configmaps"),
+]
+RETRY_DELAY_S = 10
+
+
+def post(body: Any, outcome: reconcile.Outcome) -> None:
+    for kind, reason, message in outcome.events:
+        (kopf.warn if kind == "Warning" else kopf.info)(body, reason=reason.value, message=message[:1000])
+
+
+def raise_for(outcome: reconcile.Outcome) -> None:
+    """Translate errors into kopf's vocabulary: invalid spec never retries, apply failures do."""
+    if outcome.invalid:
+        raise kopf.PermanentError(outcome.invalid)
+    if outcome.failed:
+        raise kopf.TemporaryError(outcome.failed, delay=RETRY_DELAY_S)
+
+
+def owner_key(obj: Any) -> tuple[str, str] | None:
+    ref = next((r for r in obj["metadata"].get("ownerReferences", []) if r.get("controller")), None)
+    if not ref or ref.get("kind") != "DisaggregatedInference":
+        return None
+    return obj["metadata"]["namespace"], ref["name"]
+
+
+def _first(index: Any, key: Any) -> Any:
+    store = index.get(key) if index is not None else None
+    return next(iter(store), None) if store else None
+
+
+def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
+    """Attach every handler to `registry`, with intervals taken from `cfg`."""
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.KOPF_PREFIX)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=names.KOPF_PREFIX)
+        settings.posting.level = 20  # INFO and up become Kubernetes events
+        settings.execution.max_workers = 8  # reconciles run in threads (the client is synchronous)
+        memo.kube = Kube.from_kubeconfig(cfg.kubeconfig or None)
+        memo.fetch = scrape.http_fetcher(cfg.metrics_timeout)
+
+    @kopf.on.cleanup(registry=registry)
+    def close(memo: kopf.Memo, **_: Any) -> None:
+        memo.kube.close()
+
+    @kopf.index(*CR, registry=registry)
+    def inferences(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict:
+        return {
+            (namespace, name): {
+                "metadata": dict(body.metadata),
+                "spec": dict(body.spec),
+                "status": dict(body.status),
+            }
+        }
+
+    @kopf.index("apps", "v1", "statefulsets", labels=MANAGED, registry=registry)
+    @kopf.index("apps", "v1", "deployments", labels=MANAGED, registry=registry)
+    def owned(body: kopf.Body, **_: Any) -> dict:
+        key = owner_key(body)
+        role = body["metadata"].get("labels", {}).get(names.LABEL_ROLE)
+        return (
+            {
+                (*key, role): {
+                    "metadata": dict(body.metadata),
+                    "spec": dict(body.spec),
+                    "status": dict(body.status),
+                }
+            }
+            if key
+            else {}
+        )
+
+    @kopf.on.resume(*CR, registry=registry)
+    @kopf.on.create(*CR, registry=registry)
+    @kopf.on.update(*CR, registry=registry)
+    def reconcile_cr(body: kopf.Body, memo: kopf.Memo, reason: str, **_: Any) -> None:
+        outcome = reconcile.reconcile(memo.kube, _plain(body), cfg, trigger=str(reason))
+        post(body, outcome)
+        raise_for(outcome)
+
+    for group, version, plural in WATCHED:
+
+        @kopf.on.event(group, version, plural, labels=MANAGED, registry=registry, id=f"owned-{plural}")
+        def owned_changed(
+            event: dict, body: kopf.Body, memo: kopf.Memo, inferences: kopf.Index, owned: kopf.Index, **_: Any
+        ) -> None:
+            key = owner_key(body)
+            cr = _first(inferences, key) if key else None
+            if (
+                cr is None
+                or event.get("type") not in ("MODIFIED", "DELETED")
+                or cr["metadata"].get("deletionTimestamp")
+            ):
+                return
+            mine = {role: _first(owned, (*key, role)) for role in (*names.ROLES, "router")}
+            outcome = reconcile.on_owned_change(
+                memo.kube, cr, cfg, event_type=event["type"], obj=_plain(body), owned=mine
+            )
+            post(_ref(cr), outcome)
+
+    @kopf.timer(*CR, interval=cfg.metrics_interval, initial_delay=1.0, registry=registry)
+    def transfer_status(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        post(body, reconcile.Outcome(events=scrape.scrape(memo.kube, _plain(body), cfg, memo.fetch)))
+
+    @kopf.timer(*CR, interval=cfg.resync_interval, initial_delay=cfg.resync_interval, registry=registry)
+    def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        post(body, reconcile.reconcile(memo.kube, _plain(body), cfg, trigger="resync"))
+
+
+def _plain(body: Any) -> dict[str, Any]:
+    """A kopf Body as plain dicts (the render and reconcile steps take JSON-shaped data)."""
+    return {
+        "apiVersion": body.get("apiVersion"),
+        "kind": body.get("kind"),
+        "metadata": dict(body["metadata"]),
+        "spec": dict(body.get("spec") or {}),
+        "status": dict(body.get("status") or {}),
+    }
+
+
+def _ref(cr: dict[str, Any]) -> dict[str, Any]:
+    """Enough of a CR for kopf to post an event about it."""
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "DisaggregatedInference", "metadata": cr["metadata"]}

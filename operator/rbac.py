@@ -1,0 +1,119 @@
+"""RBAC step: the permissions the operator needs, as data, each rule with the reason it exists.
+
+The Helm chart and manifests/ render `cluster_role()` (or `role()` for a namespaced install) from here;
+the cluster tests run the operator under a ServiceAccount bound to exactly these rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvferry.operator.spec import GROUP, PLURAL
+
+# (apiGroups, resources, verbs, why)
+RULES: list[tuple[list[str], list[str], list[str], str]] = [
+    # Framework (kopf)
+    (
+        ["apiextensions.k8s.io"],
+        ["customresourcedefinitions"],
+        ["get", "list", "watch"],
+        "kopf: notice CRDs appearing/disappearing at runtime (cluster-wide mode)",
+    ),
+    ([""], ["namespaces"], ["get", "list", "watch"], "kopf: follow namespaces in cluster-wide mode"),
+    (
+        ["kopf.dev"],
+        ["clusterkopfpeerings", "kopfpeerings"],
+        ["get", "list", "watch", "patch"],
+        "kopf: peering = leader election between operator replicas",
+    ),
+    ([""], ["events"], ["create"], "kopf: post an event for every significant step"),
+    (["events.k8s.io"], ["events"], ["create"], "kopf: post events (newer API)"),
+    # Application
+    (
+        [GROUP],
+        [PLURAL],
+        ["get", "list", "watch", "patch"],
+        "watch CRs; kopf keeps its progress in kvferry.io annotations (patch)",
+    ),
+    ([GROUP], [f"{PLURAL}/status"], ["get", "patch"], "write status (one merge patch per reconcile/scrape)"),
+    (
+        ["apps"],
+        ["statefulsets", "deployments"],
+        ["get", "list", "watch", "create", "patch"],
+        "server-side apply of the engine StatefulSets and router Deployment (create: apply may create); "
+        "watch to correct drift at once. No delete: owner references let the GC clean up",
+    ),
+    (
+        [""],
+        ["services", "configmaps", "serviceaccounts"],
+        ["get", "list", "watch", "create", "patch"],
+        "server-side apply of Services, the config ConfigMap and the router's ServiceAccount",
+    ),
+    (
+        ["policy"],
+        ["poddisruptionbudgets"],
+        ["get", "list", "watch", "create", "patch"],
+        "server-side apply of the per-role PodDisruptionBudgets",
+    ),
+    (
+        ["rbac.authorization.k8s.io"],
+        ["roles", "rolebindings"],
+        ["get", "list", "watch", "create", "patch"],
+        "server-side apply of the router's discovery Role and RoleBinding",
+    ),
+    (
+        [""],
+        ["pods"],
+        ["get", "list", "watch"],
+        "find engine pods to read their metrics; also required to grant the router pods get/list/watch "
+        "(RBAC lets a subject grant only what it holds)",
+    ),
+    (
+        ["discovery.k8s.io"],
+        ["endpointslices"],
+        ["get", "list", "watch"],
+        "held only so the operator may grant it to the router's Role (same escalation rule)",
+    ),
+]
+
+
+def rules() -> list[dict[str, Any]]:
+    return [{"apiGroups": g, "resources": r, "verbs": v} for g, r, v, _ in RULES]
+
+
+def cluster_role(name: str = "kvferry-operator") -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": name},
+        "rules": rules(),
+    }
+
+
+def cluster_role_binding(sa_namespace: str, sa_name: str, role: str = "kvferry-operator") -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": f"{role}-{sa_namespace}-{sa_name}"[:253]},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+        "subjects": [{"kind": "ServiceAccount", "name": sa_name, "namespace": sa_namespace}],
+    }
+
+
+def commented_yaml(name: str = "kvferry-operator") -> str:
+    """The ClusterRole as YAML with each rule's reason as a comment above it (for the chart/manifests)."""
+    lines = [
+        "apiVersion: rbac.authorization.k8s.io/v1",
+        "kind: ClusterRole",
+        "metadata:",
+        f"  name: {name}",
+        "rules:",
+    ]
+    for groups, resources, verbs, why in RULES:
+        lines += [
+            f"  # {why}",
+            f"  - apiGroups: {groups}".replace("'", '"'),
+            f"    resources: {resources}".replace("'", '"'),
+            f"    verbs: {verbs}".replace("'", '"'),
+        ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,234 @@
+"""Reconcile step: render -> apply -> summarize -> one status patch, for one DisaggregatedInference.
+
+Plain functions over the `Kube` client; no kopf here. They return an `Outcome` (events to post, the
+status written, an error kind) and the handlers translate it into kopf events and retry errors.
+Level-based: every entry point recomputes from the CR and what exists, so running one twice is harmless.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvferry.operator import names, status
+from kvferry.operator.apply import Kube, KubeError, now_iso
+from kvferry.operator.config import OperatorConfig
+from kvferry.operator.render import render
+from kvferry.operator.spec import SpecError
+from kvferry.operator.status import ConditionType, EventReason, Observed
+
+Event = tuple[str, EventReason, str]  # (Normal|Warning, reason, message)
+
+
+@dataclass
+class Outcome:
+    events: list[Event] = field(default_factory=list)
+    status: dict[str, Any] = field(default_factory=dict)
+    invalid: str = ""  # spec error: retrying cannot help
+    failed: str = ""  # apply error: retry later
+    drifted: list[str] = field(default_factory=list)
+
+
+def _desired(cr: dict[str, Any], sts: dict[str, dict[str, Any] | None] | None = None) -> dict[str, int]:
+    """Replicas each role should have: the spec's, or the StatefulSet's own where an autoscaler owns them."""
+    spec, sts = cr.get("spec") or {}, sts or {}
+    out = {}
+    for role in names.ROLES:
+        rspec = spec.get(role) or {}
+        current = (sts.get(role) or {}).get("spec", {}).get("replicas")
+        autoscaled = rspec.get("replicasOwner") == "autoscaler" and current is not None
+        out[role] = int(current if autoscaled else rspec.get("replicas", 1))
+    return out
+
+
+def observed_replicas(kube: Kube, cr: dict[str, Any]) -> dict[str, int | None]:
+    """Current replicas of roles an autoscaler owns (read back so the apply never moves them)."""
+    meta, spec = cr["metadata"], cr.get("spec") or {}
+    out: dict[str, int | None] = {}
+    for role in names.ROLES:
+        if (spec.get(role) or {}).get("replicasOwner") == "autoscaler":
+            sts = kube.get("StatefulSet", meta["namespace"], names.role_name(meta["name"], role))
+            out[role] = sts["spec"].get("replicas") if sts else None
+    return out
+
+
+def write_status(kube: Kube, cr: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Patch status when it changed; the transfer summary is left to the metrics timer."""
+    previous = cr.get("status") or {}
+    patch = {k: v for k, v in new.items() if k != "transfer"}
+    if all(previous.get(k) == v for k, v in patch.items()):
+        return False
+    kube.patch_status(cr["metadata"]["namespace"], cr["metadata"]["name"], patch)
+    return True
+
+
+def flip_events(previous: dict[str, Any], new: dict[str, Any]) -> list[Event]:
+    events: list[Event] = []
+    old_ready, new_ready = (
+        status.condition(previous, ConditionType.READY),
+        status.condition(new, ConditionType.READY),
+    )
+    if new_ready and (old_ready or {}).get("status") != new_ready["status"]:
+        if new_ready["status"] == "True":
+            events.append(("Normal", EventReason.READY, new_ready["message"]))
+        elif old_ready:
+            events.append(
+                ("Warning", EventReason.NOT_READY, f"{new_ready['reason']}: {new_ready['message']}")
+            )
+    if previous.get("revision") and previous["revision"] != new.get("revision"):
+        events.append(
+            (
+                "Normal",
+                EventReason.ROLLOUT_STARTED,
+                f"revision {previous['revision']} -> {new['revision']}: rolling prefill and decode",
+            )
+        )
+    return events
+
+
+def reconcile(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, *, trigger: str) -> Outcome:
+    """Bring the cluster to what `cr` asks for, then write its status."""
+    meta = cr["metadata"]
+    ns, name, generation = meta["namespace"], meta["name"], meta.get("generation", 0)
+    previous = cr.get("status") or {}
+    out = Outcome()
+    summarize_kw = dict(
+        cr_name=name,
+        namespace=ns,
+        generation=generation,
+        router_replicas=int(((cr.get("spec") or {}).get("router") or {}).get("replicas", 1)),
+        previous=previous,
+        now=now_iso(),
+    )
+
+    # Step 1: render (pure). A spec the API server let through but render rejects is a permanent error.
+    try:
+        rendered = render(cr, router_image=cfg.router_image, observed_replicas=observed_replicas(kube, cr))
+    except SpecError as exc:
+        out.invalid = str(exc)
+        out.status = status.summarize(
+            Observed(spec_error=out.invalid),
+            revision=previous.get("revision", ""),
+            desired=_desired(cr),
+            **summarize_kw,
+        )
+        write_status(kube, cr, out.status)
+        out.events.append(("Warning", EventReason.INVALID_SPEC, out.invalid))
+        return out
+
+    # Step 2: server-side apply every object; keep going past failures so one bad object blocks nothing.
+    applied: dict[tuple[str, str], dict[str, Any]] = {}
+    errors = []
+    for obj in rendered.objects:
+        try:
+            applied[(obj["kind"], obj["metadata"]["name"])] = kube.apply(obj)
+        except KubeError as exc:
+            errors.append(str(exc))
+        if cfg.apply_pause_seconds:
+            time.sleep(cfg.apply_pause_seconds)
+    out.failed = "; ".join(errors)
+    if out.failed:
+        out.events.append(("Warning", EventReason.APPLY_FAILED, out.failed))
+    elif trigger in ("create", "update"):
+        out.events.append(
+            ("Normal", EventReason.APPLIED, f"applied {len(applied)} objects, revision {rendered.revision}")
+        )
+
+    # Step 3: summarize from the objects the apply returned (they carry current status: no extra reads).
+    observed = Observed(
+        statefulsets={r: applied.get(("StatefulSet", names.role_name(name, r))) for r in names.ROLES},
+        router=applied.get(("Deployment", names.router_name(name))),
+        apply_error=out.failed,
+    )
+    out.status = status.summarize(
+        observed, revision=rendered.revision, desired=_desired(cr, observed.statefulsets), **summarize_kw
+    )
+
+    # Step 4: one status patch, written even when the apply failed.
+    write_status(kube, cr, out.status)
+    out.events += flip_events(previous, out.status)
+    return out
+
+
+def is_subset(desired: Any, actual: Any) -> bool:
+    """Whether every field we render is present with our value (server defaults may add more)."""
+    if isinstance(desired, dict):
+        return isinstance(actual, dict) and all(
+            k in actual and is_subset(v, actual[k]) for k, v in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(actual, list)
+            and len(actual) == len(desired)
+            and all(is_subset(d, a) for d, a in zip(desired, actual, strict=True))
+        )
+    return str(desired) == str(actual)
+
+
+def drifted(desired: dict[str, Any], actual: dict[str, Any]) -> bool:
+    """A managed object differs from the render in fields we own (metadata labels, spec, data, rules)."""
+    for key in ("spec", "data", "rules", "roleRef", "subjects"):
+        if key in desired and not is_subset(desired[key], actual.get(key)):
+            return True
+    return not is_subset(desired["metadata"].get("labels", {}), actual["metadata"].get("labels", {}))
+
+
+def on_owned_change(
+    kube: Kube,
+    cr: dict[str, Any],
+    cfg: OperatorConfig,
+    *,
+    event_type: str,
+    obj: dict[str, Any],
+    owned: dict[str, dict[str, Any]],
+) -> Outcome:
+    """A managed object changed: re-apply if it was deleted or edited, else just refresh status.
+
+    owned: the CR's StatefulSets ("prefill"/"decode") and router Deployment ("router") as last watched.
+    """
+    kind, obj_name = obj["kind"], obj["metadata"]["name"]
+    try:
+        desired = {
+            (o["kind"], o["metadata"]["name"]): o for o in render(cr, router_image=cfg.router_image).objects
+        }
+    except SpecError:
+        return Outcome()  # the CR's own handler reports invalid specs
+    mine = desired.get((kind, obj_name))
+    if mine is None:
+        return Outcome()
+    sts_role = obj["metadata"].get("labels", {}).get(names.LABEL_ROLE)
+    autoscaled = ((cr.get("spec") or {}).get(sts_role) or {}).get("replicasOwner") == "autoscaler"
+    if autoscaled:
+        mine.get("spec", {}).pop("replicas", None)
+    if event_type == "DELETED" or drifted(mine, obj):
+        out = reconcile(kube, cr, cfg, trigger="drift")
+        verb = "deleted" if event_type == "DELETED" else "edited outside the operator"
+        out.drifted.append(f"{kind} {obj_name}")
+        out.events.append(
+            ("Normal", EventReason.DRIFT_CORRECTED, f"{kind} {obj_name} was {verb}; re-applied")
+        )
+        return out
+    return refresh_status(kube, cr, owned)
+
+
+def refresh_status(kube: Kube, cr: dict[str, Any], owned: dict[str, dict[str, Any]]) -> Outcome:
+    """Status from the watched StatefulSets/Deployment, without touching the objects."""
+    meta = cr["metadata"]
+    previous = cr.get("status") or {}
+    if not previous.get("revision"):
+        return Outcome()  # not reconciled yet: the CR handler writes the first status
+    observed = Observed(statefulsets={r: owned.get(r) for r in names.ROLES}, router=owned.get("router"))
+    new = status.summarize(
+        observed,
+        cr_name=meta["name"],
+        namespace=meta["namespace"],
+        generation=previous.get("observedGeneration", 0),
+        revision=previous["revision"],
+        desired=_desired(cr, observed.statefulsets),
+        router_replicas=int(((cr.get("spec") or {}).get("router") or {}).get("replicas", 1)),
+        previous=previous,
+        now=now_iso(),
+    )
+    write_status(kube, cr, new)
+    return Outcome(status=new, events=flip_events(previous, new))

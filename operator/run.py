@@ -1,0 +1,91 @@
+"""Run step: `kvferry operator` parses flags/env into OperatorConfig and runs kopf with our handlers.
+
+Cluster-wide by default; `--namespace` (repeatable) narrows it. More than one replica elects a leader
+through kopf peering (`--peering`, crds/kopf-peerings.yaml); `--standalone` skips peering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import random
+import sys
+
+import kopf
+from kvferry.operator import handlers
+from kvferry.operator.config import OperatorConfig
+
+
+def parse(argv: list[str]) -> tuple[OperatorConfig, bool]:
+    base = OperatorConfig.from_env()
+    p = argparse.ArgumentParser(prog="kvferry operator", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        dest="namespaces",
+        help="watch only this namespace (repeatable); default: all namespaces",
+    )
+    p.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (the default)")
+    p.add_argument(
+        "--kubeconfig", default=base.kubeconfig, help="kubeconfig file (default: in-cluster/KUBECONFIG)"
+    )
+    p.add_argument(
+        "--standalone", action="store_true", default=base.standalone, help="no peering/leader election"
+    )
+    p.add_argument("--peering", default=base.peering, help="kopf peering name; required to exist when given")
+    p.add_argument("--priority", type=int, default=base.priority, help="peering priority (0: random)")
+    p.add_argument("--router-image", default=base.router_image)
+    p.add_argument("--metrics-interval", type=float, default=base.metrics_interval)
+    p.add_argument("--metrics-url", default=base.metrics_url, help="engine metrics URL template")
+    p.add_argument("--resync-interval", type=float, default=base.resync_interval)
+    p.add_argument("--liveness", default=base.liveness, help="host:port for /healthz")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    if args.namespaces and args.all_namespaces:
+        p.error("--namespace and --all-namespaces are exclusive")
+    for name in ("metrics_interval", "resync_interval"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    return dataclasses.replace(
+        base,
+        namespaces=tuple(args.namespaces or ()) if not args.all_namespaces else (),
+        kubeconfig=args.kubeconfig,
+        standalone=args.standalone,
+        peering=args.peering,
+        priority=args.priority or random.randint(1, 2**30),
+        router_image=args.router_image,
+        metrics_interval=args.metrics_interval,
+        metrics_url=args.metrics_url,
+        resync_interval=args.resync_interval,
+        liveness=args.liveness,
+    ), args.verbose
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, verbose = parse(list(sys.argv[1:] if argv is None else argv))
+    if cfg.kubeconfig:
+        os.environ["KUBECONFIG"] = cfg.kubeconfig  # kopf's own login reads it too
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, cfg)
+    settings = kopf.OperatorSettings()
+    settings.peering.mandatory = bool(cfg.peering)
+    settings.peering.name = cfg.peering or "kvferry"
+    settings.peering.priority = cfg.priority
+    settings.peering.standalone = cfg.standalone
+    kopf.run(
+        registry=registry,
+        settings=settings,
+        standalone=cfg.standalone,
+        clusterwide=not cfg.namespaces,
+        namespaces=list(cfg.namespaces),
+        liveness_endpoint=f"http://{cfg.liveness}/healthz" if cfg.liveness else None,
+        memo=kopf.Memo(),
+    )
+    return 0
