@@ -1,0 +1,1 @@
+"""kvferry router: OpenAI-compatible P/D router (config -> discovery -> selection -> dispatch -> app)."""

@@ -1,0 +1,222 @@
+"""Router HTTP step: the OpenAI-compatible aiohttp app (/v1/completions, /v1/chat/completions,
+/v1/models, /health, /metrics) that validates requests, picks engines and relays decode's answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from kvferry.connector.promtext import metric_sum, parse_metrics
+from kvferry.connector.router import params as legs
+from kvferry.connector.router.config import RouterConfig
+from kvferry.connector.router.discovery import make_discovery
+from kvferry.connector.router.dispatch import Dispatcher, OpenLeg, new_request_id
+from kvferry.connector.router.errors import ApiError, error_body
+from kvferry.connector.router.metrics import RouterMetrics
+from kvferry.connector.router.selection import LoadTracker, NoBackendError, Selector
+
+log = logging.getLogger(__name__)
+SCRAPE_INTERVAL_S = 2.0
+MAX_BODY_BYTES = 32 * 1024 * 1024
+UNAUTHENTICATED_PATHS = ("/health", "/metrics")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+CONFIG = web.AppKey("config", RouterConfig)
+STATE = web.AppKey("state", dict)
+
+
+def _json_error(status: int, message: str, code: str | None = None, param: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, code, param), status=status)
+
+
+def _auth_middleware(api_key: str | None) -> Any:
+    expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        state = request.app[STATE]
+        try:
+            if expected is not None and request.path not in UNAUTHENTICATED_PATHS:
+                given = request.headers.get("Authorization", "").encode()
+                # Constant-time compare: response timing must not reveal how much of the key matched.
+                if not hmac.compare_digest(given, expected):
+                    raise ApiError(
+                        401, "missing or wrong API key (Authorization: Bearer ...)", "invalid_api_key"
+                    )
+            return await handler(request)
+        except ApiError as exc:
+            state["metrics"].errors_by_status.labels(str(exc.status)).inc()
+            return web.json_response(exc.body(), status=exc.status)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _json_error(exc.status, exc.reason or "error", code=exc.reason.lower().replace(" ", "_"))
+
+    return middleware
+
+
+async def _read_json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "request body is not valid JSON", "invalid_json") from None
+
+
+async def _generate(request: web.Request) -> web.StreamResponse:
+    state, cfg = request.app[STATE], request.app[CONFIG]
+    metrics: RouterMetrics = state["metrics"]
+    req = legs.validate(request.path, await _read_json(request), cfg.model)
+    started = time.monotonic()
+    rid = new_request_id()
+    try:
+        prefill, decode = state["selector"].choose(state["discovery"].current())
+    except NoBackendError as exc:
+        raise ApiError(503, str(exc), "no_backend") from None
+    outcome = "error"
+    try:
+        leg = await state["dispatcher"].run(req, prefill, decode, rid)
+        response, outcome = await _relay(request, leg, rid, state, started, cfg)
+        return response
+    finally:
+        metrics.requests.labels(request.path, cfg.mode, outcome).inc()
+        metrics.duration.labels(request.path, cfg.mode).observe(time.monotonic() - started)
+
+
+async def _relay(
+    request: web.Request, leg: OpenLeg, rid: str, state: dict[str, Any], started: float, cfg: RouterConfig
+) -> tuple[web.StreamResponse, str]:
+    """Send decode's answer to the client; returns the response and the outcome label."""
+    dispatcher: Dispatcher = state["dispatcher"]
+    headers = {"X-Request-Id": rid}
+    if leg.recomputed:
+        headers["X-Kvferry-Recomputed"] = leg.recomputed
+    outcome = "recomputed" if leg.recomputed else "ok"
+    try:
+        if not leg.stream:
+            state["metrics"].ttft.labels(cfg.mode).observe(time.monotonic() - started)
+            body = web.Response(body=leg.first, status=200, content_type="application/json", headers=headers)
+            return body, outcome
+        resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream"})
+        try:
+            await resp.prepare(request)
+            await resp.write(leg.first)
+            state["metrics"].ttft.labels(cfg.mode).observe(time.monotonic() - started)
+            remaining = started + cfg.deadlines.total_s - time.monotonic()
+            await asyncio.wait_for(_pipe(leg, resp), max(remaining, 0.1))
+            await resp.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            return resp, "client_disconnect"  # closing D's response below makes vLLM abort the request
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            # Headers are out: the only honest report left is an error event in the stream.
+            msg = f"decode {leg.engine.engine_id} stream broke: {exc!r}"
+            with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
+                await resp.write(f"data: {json.dumps(error_body(502, msg, 'decode_stream'))}\n\n".encode())
+            return resp, "error"
+        return resp, outcome
+    finally:
+        dispatcher.finish_leg(leg)
+
+
+async def _pipe(leg: OpenLeg, resp: web.StreamResponse) -> None:
+    async for chunk in leg.response.content.iter_any():
+        await resp.write(chunk)
+
+
+async def _models(request: web.Request) -> web.Response:
+    state, cfg = request.app[STATE], request.app[CONFIG]
+    if cfg.model:
+        card = {"id": cfg.model, "object": "model", "created": 0, "owned_by": "kvferry"}
+        return web.json_response({"object": "list", "data": [card]})
+    pool = state["discovery"].current()
+    if not pool.decode:
+        raise ApiError(503, "no decode engine is available to list models", "no_backend")
+    try:
+        async with state["session"].get(
+            pool.decode[0].url + "/v1/models", timeout=aiohttp.ClientTimeout(10)
+        ) as r:
+            return web.json_response(await r.json(content_type=None), status=r.status)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise ApiError(
+            502, f"decode {pool.decode[0].engine_id} did not list models: {exc!r}", "upstream"
+        ) from None
+
+
+async def _health(request: web.Request) -> web.Response:
+    pool = request.app[STATE]["discovery"].current()
+    body = {"prefill": len(pool.prefill), "decode": len(pool.decode), "revisions": sorted(pool.revisions())}
+    ok = bool(pool.revisions())
+    return web.json_response({"status": "ok" if ok else "no_engine_pair", **body}, status=200 if ok else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    pool = state["discovery"].current()
+    state["metrics"].engines.labels("prefill").set(len(pool.prefill))
+    state["metrics"].engines.labels("decode").set(len(pool.decode))
+    return web.Response(body=state["metrics"].render(), content_type="text/plain")
+
+
+async def _scrape_loop(state: dict[str, Any]) -> None:
+    """Keep decode load fresh for least-loaded selection (queue length, KV-cache usage)."""
+    session: aiohttp.ClientSession = state["session"]
+    while True:
+        for ep in state["discovery"].current().decode:
+            try:
+                async with session.get(ep.url + "/metrics", timeout=aiohttp.ClientTimeout(2)) as r:
+                    m = parse_metrics(await r.text())
+                state["tracker"].observe(
+                    ep, metric_sum(m, "vllm:num_requests_waiting"), metric_sum(m, "vllm:kv_cache_usage_perc")
+                )
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                continue  # load unknown this round; in-flight counts still steer selection
+        await asyncio.sleep(SCRAPE_INTERVAL_S)
+
+
+async def _on_startup(app: web.Application) -> None:
+    state = app[STATE]
+    state["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    state["dispatcher"] = Dispatcher(app[CONFIG], state["session"], state["tracker"], state["metrics"])
+    await state["discovery"].start()
+    state["scraper"] = asyncio.create_task(_scrape_loop(state))
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    state = app[STATE]
+    state["scraper"].cancel()
+    detached = list(state["dispatcher"].detached)
+    if detached:
+        # Prefill legs still running for gone clients: give them a bounded chance to finish.
+        await asyncio.wait(detached, timeout=10)
+    await asyncio.gather(state["scraper"], return_exceptions=True)
+    await state["discovery"].stop()
+    await state["session"].close()
+
+
+def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
+    """The router app; api_key None turns authentication off."""
+    app = web.Application(middlewares=[_auth_middleware(api_key)], client_max_size=MAX_BODY_BYTES)
+    app[CONFIG] = cfg
+    tracker = LoadTracker()
+    app[STATE] = {
+        "metrics": RouterMetrics(),
+        "tracker": tracker,
+        "selector": Selector(cfg.policy, tracker),
+        "discovery": make_discovery(cfg.static, cfg.kubernetes),
+    }
+    app.router.add_post(legs.COMPLETIONS, _generate)
+    app.router.add_post(legs.CHAT, _generate)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.on_startup.append(_on_startup)
+    app.on_cleanup.append(_on_cleanup)
+    return app

@@ -1,0 +1,158 @@
+"""Discovery step: which prefill and decode engines exist right now (static list or EndpointSlices).
+
+Kubernetes discovery reads the EndpointSlices of the two role Services (contracts §2): engine id =
+pod name (targetRef.name), side-channel host = endpoint address, ports by name `http` and
+`side-channel`, revision = the pod's `kvferry.io/revision` label. Only ready endpoints count. The
+kubernetes client is imported lazily, inside this module only, so the router image needs it only
+when it runs in a cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kvferry.connector.router.config import Endpoint, KubernetesDiscoveryConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A snapshot of the engines the router may use."""
+
+    prefill: tuple[Endpoint, ...] = ()
+    decode: tuple[Endpoint, ...] = ()
+
+    def revisions(self) -> set[str]:
+        return {e.revision for e in self.prefill} & {e.revision for e in self.decode}
+
+
+class StaticDiscovery:
+    """A fixed pool from the config file (outside Kubernetes)."""
+
+    def __init__(self, static: dict[str, tuple[Endpoint, ...]]) -> None:
+        self._pool = Pool(prefill=static["prefill"], decode=static["decode"])
+
+    def current(self) -> Pool:
+        return self._pool
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+
+def _url_host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def endpoints_from_slices(
+    slices: list[dict[str, Any]],
+    pod_labels: dict[str, dict[str, str]],
+    role: str,
+    tp_size: int,
+    revision_label: str,
+) -> tuple[Endpoint, ...]:
+    """EndpointSlices (API dicts, camelCase keys) of one role Service -> ready endpoints, by engine id."""
+    found: dict[str, Endpoint] = {}
+    for eps in slices:
+        ports = {p.get("name"): p.get("port") for p in eps.get("ports") or []}
+        http_port, side_port = ports.get("http"), ports.get("side-channel")
+        if not http_port or not side_port:
+            log.warning("EndpointSlice %s lacks ports named http and side-channel", _name(eps))
+            continue
+        for ep in eps.get("endpoints") or []:
+            ready = (ep.get("conditions") or {}).get("ready")
+            ref = ep.get("targetRef") or {}
+            addresses = ep.get("addresses") or []
+            if ready is False or ref.get("kind") != "Pod" or not addresses:
+                continue
+            pod = ref["name"]
+            found[pod] = Endpoint(
+                role=role,
+                url=f"http://{_url_host(addresses[0])}:{http_port}",
+                engine_id=pod,
+                side_host=addresses[0],
+                side_port=int(side_port),
+                tp_size=tp_size,
+                revision=pod_labels.get(pod, {}).get(revision_label, ""),
+            )
+    return tuple(found[k] for k in sorted(found))
+
+
+def _name(obj: dict[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("name", "?"))
+
+
+class KubernetesDiscovery:
+    """Polls the role Services' EndpointSlices and their pods; keeps the last good pool on errors."""
+
+    def __init__(self, cfg: KubernetesDiscoveryConfig) -> None:
+        self.cfg = cfg
+        self._pool = Pool()
+        self._task: asyncio.Task[None] | None = None
+        self._api: Any = None
+
+    def current(self) -> Pool:
+        return self._pool
+
+    def _client(self) -> Any:
+        if self._api is None:
+            from kubernetes import client, config
+
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            api = client.ApiClient()
+            self._api = (api, client.DiscoveryV1Api(api), client.CoreV1Api(api))
+        return self._api
+
+    def refresh(self) -> Pool:
+        """One blocking poll of the API server (runs in a thread)."""
+        api, discovery, core = self._client()
+        ns = self.cfg.namespace
+        pods = core.list_namespaced_pod(ns, label_selector=self.cfg.revision_label)
+        labels = {p.metadata.name: dict(p.metadata.labels or {}) for p in pods.items}
+        roles: dict[str, tuple[Endpoint, ...]] = {}
+        for role, service in (("prefill", self.cfg.prefill_service), ("decode", self.cfg.decode_service)):
+            selector = f"kubernetes.io/service-name={service}"
+            items = discovery.list_namespaced_endpoint_slice(ns, label_selector=selector).items
+            slices = [api.sanitize_for_serialization(s) for s in items]
+            roles[role] = endpoints_from_slices(
+                slices, labels, role, self.cfg.tp_size[role], self.cfg.revision_label
+            )
+        return Pool(prefill=roles["prefill"], decode=roles["decode"])
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                self._pool = await asyncio.to_thread(self.refresh)
+            except Exception as exc:  # keep serving with the last good pool; say why
+                log.warning("kubernetes discovery failed, keeping last pool: %s", exc)
+            await asyncio.sleep(self.cfg.poll_s)
+
+    async def start(self) -> None:
+        try:
+            self._pool = await asyncio.wait_for(asyncio.to_thread(self.refresh), timeout=30)
+        except Exception as exc:
+            log.warning("initial kubernetes discovery failed: %s", exc)
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+def make_discovery(
+    static: dict[str, tuple[Endpoint, ...]] | None, kube: KubernetesDiscoveryConfig | None
+) -> Any:
+    if static is not None:
+        return StaticDiscovery(static)
+    assert kube is not None, "config validation guarantees one discovery source"
+    return KubernetesDiscovery(kube)

@@ -1,0 +1,253 @@
+"""Dispatch step: run one client request through prefill and decode legs, owning every deadline.
+
+- kvferry and vllm-push: both legs start at once with one X-Request-Id (D registers while P computes).
+- vllm-pull: P first, then D with P's returned kv_transfer_params verbatim.
+- A failed or stuck leg ends in a local recompute on the other engine of the pair (while time is
+  left) or in a clear OpenAI-style error; nothing waits without a bound.
+- The prefill leg is never cancelled once D depends on it (that strands D waiting for KV): when the
+  client goes away, P is left to finish in the background and D's connection is closed, which makes
+  vLLM abort the decode request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from kvferry.connector.router import params as legs
+from kvferry.connector.router.config import Endpoint, RouterConfig
+from kvferry.connector.router.errors import ApiError, LegError
+from kvferry.connector.router.metrics import RouterMetrics
+from kvferry.connector.router.selection import LoadTracker
+
+log = logging.getLogger(__name__)
+CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass
+class OpenLeg:
+    """A decode-side answer that has started: status 200 and its first bytes already read."""
+
+    engine: Endpoint
+    response: aiohttp.ClientResponse
+    first: bytes
+    stream: bool
+    recomputed: str | None = None  # reason, when this is a local recompute
+
+
+class Dispatcher:
+    """Runs requests for one router; shared by all handlers."""
+
+    def __init__(
+        self, cfg: RouterConfig, session: aiohttp.ClientSession, tracker: LoadTracker, metrics: RouterMetrics
+    ) -> None:
+        self.cfg = cfg
+        self.session = session
+        self.tracker = tracker
+        self.metrics = metrics
+        self.detached: set[asyncio.Task[Any]] = set()
+
+    # -- legs -------------------------------------------------------------------------------------
+
+    def _begin(self, ep: Endpoint) -> None:
+        self.tracker.begin(ep)
+        self.metrics.in_flight.labels(ep.role, ep.engine_id).inc()
+
+    def _end(self, ep: Endpoint) -> None:
+        self.tracker.end(ep)
+        self.metrics.in_flight.labels(ep.role, ep.engine_id).dec()
+
+    def _fail(self, leg: str, reason: str, message: str, **kw: Any) -> LegError:
+        self.metrics.leg_errors.labels(leg, reason).inc()
+        log.warning("%s leg failed (%s): %s", leg, reason, message)
+        return LegError(leg, reason, message, **kw)
+
+    async def _post(self, ep: Endpoint, path: str, body: dict[str, Any], rid: str) -> aiohttp.ClientResponse:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+        return await self.session.post(
+            ep.url + path, json=body, headers={"X-Request-Id": rid}, timeout=timeout
+        )
+
+    async def _status_error(self, leg: str, ep: Endpoint, resp: aiohttp.ClientResponse) -> LegError:
+        text = (await resp.read())[:2000].decode(errors="replace")
+        try:
+            message = json.loads(text)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = text
+        resp.release()
+        if resp.status < 500:
+            # The engine rejected the request itself (e.g. prompt too long): recompute cannot help.
+            return self._fail(leg, f"status_{resp.status}", message, status=resp.status, retryable=False)
+        return self._fail(
+            leg, f"status_{resp.status}", f"{leg} {ep.engine_id} answered {resp.status}: {message}"
+        )
+
+    async def prefill(self, ep: Endpoint, path: str, body: dict[str, Any], rid: str, timeout_s: float) -> Any:
+        """Run the 1-token prefill leg; returns the kv_transfer_params P answered with (or None)."""
+        self._begin(ep)
+        try:
+            return await asyncio.wait_for(self._prefill_once(ep, path, body, rid), timeout_s)
+        except asyncio.TimeoutError:
+            raise self._fail(
+                "prefill",
+                "timeout",
+                f"prefill {ep.engine_id} did not finish within {timeout_s:.1f}s",
+                status=504,
+            ) from None
+        except (aiohttp.ClientError, ValueError) as exc:
+            self.tracker.mark_down(ep)
+            raise self._fail("prefill", "unreachable", f"prefill {ep.engine_id} failed: {exc!r}") from None
+        finally:
+            self._end(ep)
+
+    async def _prefill_once(self, ep: Endpoint, path: str, body: dict[str, Any], rid: str) -> Any:
+        async with await self._post(ep, path, body, rid) as resp:
+            if resp.status != 200:
+                raise await self._status_error("prefill", ep, resp)
+            data = await resp.json(content_type=None)
+        return data.get("kv_transfer_params") if isinstance(data, dict) else None
+
+    async def open_decode(
+        self, ep: Endpoint, path: str, body: dict[str, Any], rid: str, stream: bool, timeout_s: float
+    ) -> OpenLeg:
+        """Send the decode leg and read its first bytes (streaming) or whole body within timeout_s."""
+        self._begin(ep)
+        holder: list[aiohttp.ClientResponse] = []
+        try:
+            first = await asyncio.wait_for(self._decode_start(ep, path, body, rid, stream, holder), timeout_s)
+            if not first:
+                raise self._fail(
+                    "decode", "empty", f"decode {ep.engine_id} closed the stream before any token"
+                )
+            return OpenLeg(ep, holder[0], first, stream)
+        except BaseException as exc:
+            if holder:
+                holder[0].close()  # closing the connection makes vLLM abort the request
+            self._end(ep)
+            if isinstance(exc, asyncio.TimeoutError):
+                self.tracker.mark_down(ep)
+                what = "first token" if stream else "answer"
+                raise self._fail(
+                    "decode",
+                    "timeout",
+                    f"decode {ep.engine_id} gave no {what} within {timeout_s:.1f}s",
+                    status=504,
+                ) from None
+            if isinstance(exc, aiohttp.ClientError):
+                self.tracker.mark_down(ep)
+                raise self._fail("decode", "unreachable", f"decode {ep.engine_id} failed: {exc!r}") from None
+            raise
+
+    async def _decode_start(
+        self, ep: Endpoint, path: str, body: dict[str, Any], rid: str, stream: bool, holder: list[Any]
+    ) -> bytes:
+        resp = await self._post(ep, path, body, rid)
+        holder.append(resp)
+        if resp.status != 200:
+            raise await self._status_error("decode", ep, resp)
+        return await (resp.content.readany() if stream else resp.read())
+
+    def finish_leg(self, leg: OpenLeg) -> None:
+        leg.response.close()
+        self._end(leg.engine)
+
+    # -- flows ------------------------------------------------------------------------------------
+
+    async def run(self, req: legs.ClientRequest, prefill: Endpoint, decode: Endpoint, rid: str) -> OpenLeg:
+        """Both legs per mode; on a retryable failure, recompute locally on the other engine."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.deadlines.total_s
+        try:
+            if self.cfg.mode == "vllm-pull":
+                return await self._pull(req, prefill, decode, rid, deadline)
+            return await self._push(req, prefill, decode, rid, deadline)
+        except LegError as exc:
+            remaining = deadline - loop.time()
+            if not exc.retryable or remaining <= 1.0:
+                raise exc.as_api_error() from None
+            target = decode if exc.leg == "prefill" else prefill
+            return await self._recompute(req, target, rid, exc, remaining)
+
+    def _first_token_s(self, req: legs.ClientRequest, deadline: float) -> float:
+        remaining = deadline - asyncio.get_running_loop().time()
+        return min(self.cfg.deadlines.decode_first_token_s, remaining) if req.stream else remaining
+
+    async def _push(
+        self, req: legs.ClientRequest, p: Endpoint, d: Endpoint, rid: str, deadline: float
+    ) -> OpenLeg:
+        mode, dl = self.cfg.mode, self.cfg.deadlines
+        p_body = legs.prefill_body(req.body, legs.prefill_params(mode, rid, 0, d, dl.transfer_s))
+        d_body = legs.decode_body(req.body, legs.decode_params(mode, req.path, rid, 0, p, dl.transfer_s))
+        p_task = asyncio.create_task(self.prefill(p, req.path, p_body, rid, dl.prefill_s))
+        d_task = asyncio.create_task(
+            self.open_decode(d, req.path, d_body, rid, req.stream, self._first_token_s(req, deadline))
+        )
+        try:
+            await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if p_task.done() and p_task.exception() is not None and not d_task.done():
+                # D would wait for KV that never comes: abort it, then recompute.
+                d_task.cancel()
+                await asyncio.gather(d_task, return_exceptions=True)
+                raise p_task.exception()  # type: ignore[misc]
+            return await d_task
+        finally:
+            self._detach(p_task)
+
+    async def _pull(
+        self, req: legs.ClientRequest, p: Endpoint, d: Endpoint, rid: str, deadline: float
+    ) -> OpenLeg:
+        dl = self.cfg.deadlines
+        p_body = legs.prefill_body(req.body, legs.prefill_params("vllm-pull", rid, 0, d, dl.transfer_s))
+        remaining = deadline - asyncio.get_running_loop().time()
+        kv = await self.prefill(p, req.path, p_body, rid, min(dl.prefill_s, remaining))
+        if not isinstance(kv, dict) or not kv.get("do_remote_prefill"):
+            hint = "is it a NixlConnector kv_producer?"
+            msg = f"prefill {p.engine_id} returned no usable kv_transfer_params ({kv!r}); {hint}"
+            raise self._fail("prefill", "no_kv_params", msg)
+        d_body = legs.decode_body(req.body, legs.decode_params("vllm-pull", req.path, rid, 0, p, 0, kv))
+        return await self.open_decode(
+            d, req.path, d_body, rid, req.stream, self._first_token_s(req, deadline)
+        )
+
+    async def _recompute(
+        self, req: legs.ClientRequest, target: Endpoint, rid: str, cause: LegError, remaining: float
+    ) -> OpenLeg:
+        reason = f"{cause.leg}_{cause.reason}"
+        log.warning("request %s: recomputing on %s after %s", rid, target.engine_id, reason)
+        self.metrics.recomputes.labels(reason).inc()
+        timeout = min(self.cfg.deadlines.decode_first_token_s, remaining) if req.stream else remaining
+        try:
+            leg = await self.open_decode(
+                target, req.path, legs.decode_body(req.body, None), f"{rid}-r1", req.stream, timeout
+            )
+        except LegError as exc:
+            msg = f"{cause.message}; recompute on {target.engine_id} failed too: {exc.message}"
+            raise ApiError(exc.status, msg, code=f"{cause.leg}_{cause.reason}") from None
+        leg.recomputed = reason
+        return leg
+
+    def _detach(self, task: asyncio.Task[Any]) -> None:
+        """Let a prefill leg finish on its own (bounded by its own timeout); never cancel it."""
+        if task.done():
+            if not task.cancelled():
+                task.exception()  # retrieved: failures were already counted and logged
+            return
+        self.detached.add(task)
+        self.metrics.background_prefills.set(len(self.detached))
+
+        def _done(t: asyncio.Task[Any]) -> None:
+            self.detached.discard(t)
+            self.metrics.background_prefills.set(len(self.detached))
+            if not t.cancelled():
+                t.exception()
+
+        task.add_done_callback(_done)
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

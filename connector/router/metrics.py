@@ -1,0 +1,50 @@
+"""Router metrics step: the kvferry_router_* Prometheus series, in a registry per router instance."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class RouterMetrics:
+    """All router series. Labels stay low-cardinality: engine ids, never request ids."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvferry_router_requests", "Client requests by endpoint and outcome "
+            "(ok, recomputed, error, client_disconnect)", ["endpoint", "mode", "outcome"], registry=r,
+        )  # fmt: skip
+        self.duration = Histogram(
+            "kvferry_router_request_duration_seconds", "Client request wall time", ["endpoint", "mode"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "kvferry_router_ttft_seconds", "Arrival to the first decode byte sent to the client",
+            ["mode"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.leg_errors = Counter(
+            "kvferry_router_leg_errors", "Failed legs by leg (prefill, decode) and reason",
+            ["leg", "reason"], registry=r,
+        )  # fmt: skip
+        self.recomputes = Counter(
+            "kvferry_router_recomputes", "Requests answered by a local recompute after a leg failed",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            "kvferry_router_in_flight", "Legs in flight per engine", ["role", "engine_id"], registry=r
+        )
+        self.engines = Gauge("kvferry_router_engines", "Engines in the current pool", ["role"], registry=r)
+        self.background_prefills = Gauge(
+            "kvferry_router_detached_prefills",
+            "Prefill legs left to finish after their client went away (never cancelled: that strands decode)",
+            registry=r,
+        )
+        self.errors_by_status = Counter(
+            "kvferry_router_errors", "Error responses by HTTP status", ["status"], registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,101 @@
+"""Selection step: choose the decode engine (load-aware) and a prefill engine of the same revision.
+
+Push modes pick D when the request arrives, before any KV exists, so D's load is all the router can
+go on: requests it has in flight on D (known exactly), plus D's own waiting queue and KV-cache usage
+scraped from its /metrics (where visible). P and D of different revisions are never paired: during
+a rollout a new-revision D may use a different model, block size or connector than an old P.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from kvferry.connector.router.config import Endpoint
+from kvferry.connector.router.discovery import Pool
+
+
+class NoBackendError(Exception):
+    """No usable engine pair; the message says which role is missing."""
+
+
+@dataclass
+class EngineLoad:
+    """What the router knows about one engine's load."""
+
+    in_flight: int = 0
+    waiting: float = 0.0  # vllm:num_requests_waiting, from the last scrape
+    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc (0..1), from the last scrape
+    down_until: float = 0.0  # monotonic time; set after a connection failure
+
+
+@dataclass
+class LoadTracker:
+    """In-flight counts, scraped load and short cool-downs after failures, keyed by engine URL."""
+
+    cooldown_s: float = 5.0
+    loads: dict[str, EngineLoad] = field(default_factory=lambda: defaultdict(EngineLoad))
+
+    def begin(self, ep: Endpoint) -> None:
+        self.loads[ep.url].in_flight += 1
+
+    def end(self, ep: Endpoint) -> None:
+        self.loads[ep.url].in_flight = max(0, self.loads[ep.url].in_flight - 1)
+
+    def mark_down(self, ep: Endpoint, now: float | None = None) -> None:
+        self.loads[ep.url].down_until = (time.monotonic() if now is None else now) + self.cooldown_s
+
+    def is_up(self, ep: Endpoint, now: float | None = None) -> bool:
+        return self.loads[ep.url].down_until <= (time.monotonic() if now is None else now)
+
+    def observe(self, ep: Endpoint, waiting: float, kv_usage: float) -> None:
+        load = self.loads[ep.url]
+        load.waiting, load.kv_usage = waiting, kv_usage
+
+    def score(self, ep: Endpoint) -> tuple[float, float, str]:
+        load = self.loads[ep.url]
+        # Requests the router sent plus the engine's own queue; then the fuller KV cache loses ties,
+        # since a push D that cannot allocate blocks cannot register and P's lease runs out.
+        return (load.in_flight + load.waiting, load.kv_usage, ep.engine_id)
+
+
+class Selector:
+    """Chooses (prefill, decode) pairs by policy over the current pool."""
+
+    def __init__(self, policy: str, tracker: LoadTracker) -> None:
+        self.policy = policy
+        self.tracker = tracker
+        self._rr = {role: itertools.count() for role in ("prefill", "decode")}
+
+    def _usable(self, endpoints: tuple[Endpoint, ...], now: float) -> list[Endpoint]:
+        up = [e for e in endpoints if self.tracker.is_up(e, now)]
+        # When every engine of a role is cooling down, try them anyway: an error beats a refusal.
+        return up or list(endpoints)
+
+    def choose(self, pool: Pool, now: float | None = None) -> tuple[Endpoint, Endpoint]:
+        now = time.monotonic() if now is None else now
+        if not pool.decode:
+            raise NoBackendError("no decode engine is available")
+        if not pool.prefill:
+            raise NoBackendError("no prefill engine is available")
+        prefill_revisions = {p.revision for p in pool.prefill}
+        decodes = [d for d in self._usable(pool.decode, now) if d.revision in prefill_revisions]
+        if not decodes:
+            raise NoBackendError(
+                f"no decode engine shares a revision with a prefill engine "
+                f"(prefill revisions {sorted(prefill_revisions)}, "
+                f"decode revisions {sorted({d.revision for d in pool.decode})})"
+            )
+        decode = self._pick(decodes)
+        prefills = [p for p in self._usable(pool.prefill, now) if p.revision == decode.revision]
+        if not prefills:
+            raise NoBackendError(f"no prefill engine of revision {decode.revision!r} is available")
+        return self._pick(prefills), decode
+
+    def _pick(self, candidates: list[Endpoint]) -> Endpoint:
+        if self.policy == "round-robin":
+            ordered = sorted(candidates, key=lambda e: e.engine_id)
+            return ordered[next(self._rr[ordered[0].role]) % len(ordered)]
+        return min(candidates, key=self.tracker.score)
