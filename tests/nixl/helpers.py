@@ -1,0 +1,57 @@
+"""Helpers for the NIXL process tests: rank processes stopped by PID, free ports, request args."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+from kvferry.connector.hostkv import CacheShape
+from kvferry.connector.rankproc import RankProcess, RankSpec
+
+FAST = {"lease_s": 3.0, "registration_ttl_s": 3.0, "handshake_timeout_s": 1.0, "handshake_attempts": 2}
+
+
+def free_port_pair() -> int:
+    """A base port with base+1 also free (TP rank r listens on base + r)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            with socket.socket() as b, contextlib.suppress(OSError):
+                b.bind(("127.0.0.1", base + 1))
+                return base
+    raise RuntimeError("no free port pair on 127.0.0.1")
+
+
+class Procs:
+    """Starts rank processes and stops every one of them (by PID) at teardown."""
+
+    def __init__(self) -> None:
+        self.all: list[RankProcess] = []
+
+    def start(self, role: str, engine: str, shape: CacheShape, ranks: int = 1, **extra) -> list[RankProcess]:
+        if ranks > 1 and "side_channel_port" not in extra:
+            extra["side_channel_port"] = free_port_pair()
+        started = [RankProcess(RankSpec(role, engine, r, shape, {**FAST, **extra})) for r in range(ranks)]
+        self.all += started
+        return started
+
+
+def expect_args(
+    prod: RankProcess,
+    blocks: list[int],
+    tokens: int,
+    *,
+    tp: int = 1,
+    deadline_s: float = 20.0,
+    engine: str = "prefill-0",
+) -> dict:
+    return dict(
+        producer_engine=engine,
+        producer_host="127.0.0.1",
+        producer_port=prod.port,
+        producer_tp=tp,
+        block_ids=[blocks],
+        num_tokens=tokens,
+        deadline_s=deadline_s,
+    )

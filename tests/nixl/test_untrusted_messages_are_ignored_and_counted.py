@@ -1,0 +1,94 @@
+"""Messages that are malformed, truncated, duplicated or from engines a side was not told about are
+ignored and counted (kvferry_rejected_messages_total), never acted on, and the host keeps working."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from kvferry.connector.hostkv import CacheShape
+from kvferry.connector.sidechannel import fetch_peer
+from kvferry.connector.wire import Done, Registration, encode
+
+from tests.nixl.helpers import expect_args
+
+pytestmark = pytest.mark.nixl
+SHAPE = CacheShape(block_size=16)
+
+
+@pytest.fixture
+def rogue():
+    """A real NIXL agent in this test process, posing as engine `decode-x`."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    cfg = nixl_agent_config(
+        enable_prog_thread=False,
+        enable_listen_thread=False,
+        capture_telemetry=False,
+        num_threads=0,
+        backends=["UCX"],
+    )
+    return nixl_agent("decode-x/0/rogue", cfg)
+
+
+def pump(agent, seconds: float = 0.5) -> None:
+    """Without a progress thread, a NIXL agent's sends advance only while it is polled."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        agent.get_new_notifs()
+        time.sleep(0.001)
+
+
+def rejected(metrics: str, reason: str) -> float:
+    m = re.search(rf'kvferry_rejected_messages_total{{reason="{reason}",role="\w+"}} ([0-9.]+)', metrics)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_rejected(proc, reason: str, at_least: float) -> float:
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        if (n := rejected(proc.call("metrics"), reason)) >= at_least:
+            return n
+        time.sleep(0.1)
+    return rejected(proc.call("metrics"), reason)
+
+
+def reg(rid: str, engine: str) -> Registration:
+    return Registration(rid, 0, engine, 0, 1, "127.0.0.1", 1, "x", 40, [[1, 2, 3]])
+
+
+def test_producer_ignores_bad_registrations_and_keeps_working(procs, rogue):
+    (prod,) = procs.start("producer", "prefill-0", SHAPE)
+    (cons,) = procs.start("consumer", "decode-0", SHAPE)
+    info = fetch_peer("127.0.0.1", prod.port, 5.0)
+    name = rogue.add_remote_agent(info.agent_metadata)
+    good = encode(reg("r1", "decode-x"))
+    rogue.send_notif(name, good[: len(good) // 2])  # truncated
+    rogue.send_notif(name, b"PUSH_REG:{}")  # foreign format
+    rogue.send_notif(name, encode(reg("r2", "decode-0")))  # claims to be another engine
+    rogue.send_notif(name, good)
+    rogue.send_notif(name, good)  # duplicate
+    pump(rogue)
+    assert wait_rejected(prod, "malformed", 2) == 2
+    assert wait_rejected(prod, "unexpected_engine", 1) == 1
+    assert wait_rejected(prod, "duplicate", 1) == 1
+    # r1's prefill names decode-0, so decode-x's parked registration must never receive its KV
+    prod.call("finish", "r1", 0, [4, 5, 6], 40, "decode-0")
+    assert wait_rejected(prod, "unexpected_engine", 2) == 2
+    cons.call("expect", "r1", 0, expect_args(prod, [7, 8, 9], 40))
+    assert cons.call("results", 20.0, 1)["received"] == [("r1", 0)]
+    assert cons.call("mismatches", [7, 8, 9], 40) == 0
+
+
+def test_consumer_ignores_completion_from_an_engine_it_did_not_ask(procs, rogue):
+    (prod,) = procs.start("producer", "prefill-0", SHAPE)
+    (cons,) = procs.start("consumer", "decode-0", SHAPE)
+    cons.call("expect", "r", 0, expect_args(prod, [1, 2, 3], 40, deadline_s=15.0))
+    name = rogue.add_remote_agent(fetch_peer("127.0.0.1", cons.port, 5.0).agent_metadata)
+    rogue.send_notif(name, encode(Done("r", 0, "decode-x", 0)))  # a real sender, not the producer asked
+    rogue.send_notif(name, encode(Done("r", 0, "prefill-0", 0)))  # spoofing the producer's name
+    pump(rogue)
+    assert wait_rejected(cons, "unexpected_engine", 2) == 2
+    out = cons.call("results", 10.0, 1)
+    assert out["received"] == [] and out["failed"] == [(("r", 0), "registration_expired")]
