@@ -70,7 +70,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     def close(memo: kopf.Memo, **_: Any) -> None:
         memo.kube.close()
 
-    @kopf.index(*CR, registry=registry)
+    @kopf.index(*CR, id="inferences", registry=registry)
     def inferences(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict:
         return {
             (namespace, name): {
@@ -80,8 +80,8 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             }
         }
 
-    @kopf.index("apps", "v1", "statefulsets", labels=MANAGED, registry=registry)
-    @kopf.index("apps", "v1", "deployments", labels=MANAGED, registry=registry)
+    @kopf.index("apps", "v1", "statefulsets", labels=MANAGED, id="owned", registry=registry)
+    @kopf.index("apps", "v1", "deployments", labels=MANAGED, id="owned", registry=registry)
     def owned(body: kopf.Body, **_: Any) -> dict:
         key = owner_key(body)
         role = body["metadata"].get("labels", {}).get(names.LABEL_ROLE)
@@ -97,9 +97,9 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             else {}
         )
 
-    @kopf.on.resume(*CR, registry=registry)
-    @kopf.on.create(*CR, registry=registry)
-    @kopf.on.update(*CR, registry=registry)
+    @kopf.on.resume(*CR, id="reconcile", registry=registry)
+    @kopf.on.create(*CR, id="reconcile", registry=registry)
+    @kopf.on.update(*CR, id="reconcile", registry=registry)
     def reconcile_cr(body: kopf.Body, memo: kopf.Memo, reason: str, **_: Any) -> None:
         outcome = reconcile.reconcile(memo.kube, _plain(body), cfg, trigger=str(reason))
         post(body, outcome)
@@ -125,11 +125,15 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             )
             post(_ref(cr), outcome)
 
-    @kopf.timer(*CR, interval=cfg.metrics_interval, initial_delay=1.0, registry=registry)
+    @kopf.timer(
+        *CR, id="transfer-status", interval=cfg.metrics_interval, initial_delay=1.0, registry=registry
+    )
     def transfer_status(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         post(body, reconcile.Outcome(events=scrape.scrape(memo.kube, _plain(body), cfg, memo.fetch)))
 
-    @kopf.timer(*CR, interval=cfg.resync_interval, initial_delay=cfg.resync_interval, registry=registry)
+    @kopf.timer(
+        *CR, id="resync", interval=cfg.resync_interval, initial_delay=cfg.resync_interval, registry=registry
+    )
     def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         post(body, reconcile.reconcile(memo.kube, _plain(body), cfg, trigger="resync"))
 

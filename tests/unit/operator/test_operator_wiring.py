@@ -1,0 +1,74 @@
+"""Pure parts of the operator runtime: drift detection, config parsing, RBAC coverage, handler registry."""
+
+from __future__ import annotations
+
+import copy
+
+import kopf
+import pytest
+from kvferry.operator import handlers, rbac
+from kvferry.operator.config import OperatorConfig
+from kvferry.operator.reconcile import drifted, is_subset
+from kvferry.operator.render import render
+from kvferry.operator.run import parse
+
+from tests.unit.operator.cases import make_inference
+
+
+def _sts() -> dict:
+    objs = render(make_inference("d").obj()).objects
+    return next(o for o in objs if o["kind"] == "StatefulSet")
+
+
+def test_server_defaults_are_not_drift_but_hand_edits_are() -> None:
+    desired = _sts()
+    actual = copy.deepcopy(desired)
+    actual["spec"]["updateStrategy"]["rollingUpdate"] = {"partition": 0}  # API server default
+    actual["spec"]["template"]["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
+    actual["metadata"]["labels"]["extra"] = "x"
+    assert not drifted(desired, actual)
+    actual["spec"]["template"]["spec"]["containers"][0]["image"] = "evil:latest"
+    assert drifted(desired, actual)
+
+
+def test_subset_compares_quantities_as_strings_and_lists_by_length() -> None:
+    assert is_subset({"a": 2}, {"a": "2", "b": 1})
+    assert not is_subset([1, 2], [1, 2, 3])
+    assert not is_subset({"a": {"b": 1}}, {"a": {}})
+
+
+def test_config_from_env_and_flags() -> None:
+    cfg = OperatorConfig.from_env({"KVFERRY_NAMESPACES": "a, b", "KVFERRY_STANDALONE": "true",
+                                   "KVFERRY_METRICS_INTERVAL": "5"})  # fmt: skip
+    assert (cfg.namespaces, cfg.standalone, cfg.metrics_interval) == (("a", "b"), True, 5.0)
+    with pytest.raises(ValueError, match="KVFERRY_METRICS_INTERVAL"):
+        OperatorConfig.from_env({"KVFERRY_METRICS_INTERVAL": "soon"})
+    cfg, verbose = parse(["-n", "x", "-n", "y", "--standalone", "--priority", "7"])
+    assert (cfg.namespaces, cfg.standalone, cfg.priority, verbose) == (("x", "y"), True, 7, False)
+    with pytest.raises(SystemExit):
+        parse(["-n", "x", "--all-namespaces"])
+
+
+def test_rbac_covers_every_rendered_kind_with_apply_verbs() -> None:
+    plural = {"ConfigMap": "configmaps", "ServiceAccount": "serviceaccounts", "Role": "roles",
+              "RoleBinding": "rolebindings", "Service": "services", "StatefulSet": "statefulsets",
+              "PodDisruptionBudget": "poddisruptionbudgets", "Deployment": "deployments"}  # fmt: skip
+    granted = {(g, r): set(v) for gs, rs, v, _ in rbac.RULES for g in gs for r in rs}
+    for obj in render(make_inference("r").obj()).objects:
+        group = obj["apiVersion"].rpartition("/")[0]
+        verbs = granted.get((group, plural[obj["kind"]]), set())
+        assert {"patch", "create", "get", "watch"} <= verbs, obj["kind"]
+    assert all(why for *_, why in rbac.RULES)
+    assert "delete" not in {v for *_, verbs, _ in rbac.RULES for v in verbs}
+
+
+def test_handlers_register_reconcile_owned_watches_and_timers() -> None:
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, OperatorConfig(metrics_interval=3))
+    ids = (
+        {h.id for h in registry._spawning.get_all_handlers()}
+        | {h.id for h in registry._changing.get_all_handlers()}
+        | {h.id for h in registry._watching.get_all_handlers()}
+        | {h.id for h in registry._indexing.get_all_handlers()}
+    )
+    assert {"reconcile", "transfer-status", "resync", "owned-statefulsets", "inferences", "owned"} <= ids
