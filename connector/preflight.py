@@ -1,0 +1,113 @@
+"""Preflight step: can this host move KV the way the config asks (NIXL, backend plugins, EFA)?
+
+`kvferry preflight [--backends UCX]` prints one line per check and exits non-zero if any fails.
+The same checks run at connector start-up and set `kvferry_preflight_ok{check=...}`, so a pod that
+would silently fall back to TCP (UCX on EFA, LIBFABRIC without an EFA device) is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvferry.connector.config import ConfigError, KvferryConfig
+from prometheus_client import CollectorRegistry, Gauge
+
+SYS_INFINIBAND = Path("/sys/class/infiniband")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def efa_devices(root: Path = SYS_INFINIBAND) -> list[str]:
+    """RDMA devices bound to the efa driver."""
+    if not root.is_dir():
+        return []
+    return sorted(d.name for d in root.iterdir() if (d / "device" / "driver").resolve().name == "efa")
+
+
+def run_checks(cfg: KvferryConfig, efa_root: Path = SYS_INFINIBAND) -> list[Check]:
+    checks: list[Check] = []
+    try:
+        import nixl._api as api
+
+        checks.append(Check("nixl_import", True, f"nixl._api from {Path(api.__file__).parent.name}"))
+    except Exception as exc:  # ImportError, or a CUDA library error from the wrong nixl wheel
+        return [Check("nixl_import", False, f"import nixl._api failed: {exc}")]
+    checks += _backend_checks(api, cfg.backends)
+    efa = efa_devices(efa_root)
+    if "LIBFABRIC" in cfg.backends:
+        detail = f"EFA devices {efa}" if efa else "no EFA device: LIBFABRIC would use a TCP/shm provider"
+        checks.append(Check("efa_device", bool(efa), detail))
+    elif efa:
+        checks.append(
+            Check(
+                "ucx_on_efa",
+                False,
+                f"EFA devices {efa} present but backends={cfg.backends}: "
+                "UCX falls back to TCP on EFA; use LIBFABRIC",
+            )
+        )
+    return checks
+
+
+def _backend_checks(api, backends: list[str]) -> list[Check]:
+    cfg = api.nixl_agent_config(
+        enable_prog_thread=False,
+        enable_listen_thread=False,
+        capture_telemetry=False,
+        num_threads=0,
+        backends=[],
+    )
+    try:
+        agent = api.nixl_agent(f"kvferry-preflight-{os.getpid()}", cfg)
+    except Exception as exc:
+        return [Check("nixl_agent", False, f"creating a NIXL agent failed: {exc}")]
+    plugins = agent.get_plugin_list()
+    out = []
+    for backend in backends:
+        if backend not in plugins:
+            out.append(Check(f"backend_{backend}", False, f"plugin {backend} not found (have {plugins})"))
+            continue
+        try:
+            agent.create_backend(backend, {})
+            out.append(Check(f"backend_{backend}", True, f"plugin {backend} loaded"))
+        except Exception as exc:
+            out.append(Check(f"backend_{backend}", False, f"plugin {backend} failed to start: {exc}"))
+    return out
+
+
+def export(checks: list[Check], registry: CollectorRegistry) -> None:
+    gauge = Gauge(
+        "kvferry_preflight_ok", "1 if a preflight check passed, else 0", ["check"], registry=registry
+    )
+    for c in checks:
+        gauge.labels(c.name).set(1 if c.ok else 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvferry preflight", description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", nargs="+", help="NIXL backends (default: the config's, LIBFABRIC)")
+    parser.add_argument("--extra-config", default="{}", help="kv_connector_extra_config JSON")
+    args = parser.parse_args(argv)
+    try:
+        extra = json.loads(args.extra_config)
+        if args.backends:
+            extra["backends"] = args.backends
+        cfg = KvferryConfig.from_extra(extra)
+    except (ConfigError, json.JSONDecodeError) as exc:
+        print(f"preflight: bad configuration: {exc}")
+        return 2
+    checks = run_checks(cfg)
+    for c in checks:
+        print(f"{'ok  ' if c.ok else 'FAIL'} {c.name:<18} {c.detail}")
+    ok = all(c.ok for c in checks)
+    print("preflight passed" if ok else "preflight FAILED")
+    return 0 if ok else 1
