@@ -27,11 +27,35 @@ INSTALL_HEADER = f"""\
 """
 
 
-def operator_rules() -> list[templates.Rule]:
-    """The operator's RBAC rules, from its one list (kvferry.operator.rbac)."""
-    from kvferry.operator import rbac  # imported late: the operator package may not be installed
+# Where the chart grants a resource, by watch mode (see templates.SCOPES). Anything not listed is
+# namespaced and follows the watched namespaces. A cluster-scoped kind missing here would be granted
+# only through Roles, where it has no effect: test_install_operator_rbac catches that as a 403.
+RESOURCE_SCOPES = {
+    # kopf in cluster-wide mode follows namespaces and CRDs; with fixed namespaces it needs neither.
+    ("apiextensions.k8s.io", "customresourcedefinitions"): "cluster-mode",
+    ("", "namespaces"): "cluster-mode",
+    # kopf peering: cluster-wide operators use ClusterKopfPeering, namespaced ones KopfPeering.
+    ("kopf.dev", "clusterkopfpeerings"): "cluster-mode",
+    ("kopf.dev", "kopfpeerings"): "namespaces-mode",
+    ("", "nodes"): "cluster",
+}
 
-    return [templates.Rule(**dict(rule)) for rule in rbac.RULES]
+
+def operator_rules() -> list[templates.Rule]:
+    """The operator's RBAC rules from its one list (kvferry.operator.rbac.RULES), split by scope."""
+    from kvferry.operator import rbac  # imported late: only `sync`/`check` need the operator package
+
+    out = []
+    for groups, resources, verbs, why in rbac.RULES:
+        by_scope: dict[str, list[str]] = {}
+        for resource in resources:
+            scopes = {RESOURCE_SCOPES.get((group, resource), "namespaced") for group in groups}
+            if len(scopes) != 1:
+                raise ValueError(f"RBAC rule {groups}/{resource}: groups disagree on the scope")
+            by_scope.setdefault(scopes.pop(), []).append(resource)
+        for scope, scoped in by_scope.items():
+            out.append(templates.Rule(tuple(groups), tuple(scoped), tuple(verbs), why, scope))
+    return out
 
 
 def load_crds(name: str) -> list[dict]:

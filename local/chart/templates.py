@@ -10,6 +10,9 @@ Two files in charts/kvferry/templates are never edited by hand:
 
 from __future__ import annotations
 
+import json
+import re
+import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +72,11 @@ def _escape_helm(text: str) -> str:
     marker = "\x00OPEN\x00"
     text = text.replace("{{", marker).replace("}}", '{{ "}}" }}')
     return text.replace(marker, '{{ "{{" }}')
+
+
+def _flow(items: list[str]) -> str:
+    """A YAML flow list, quoting only what YAML would misread (e.g. the core API group "")."""
+    return "[" + ", ".join(i if re.fullmatch(r"[a-z][a-z0-9./-]*", i) else json.dumps(i) for i in items) + "]"
 
 
 def _dump(data: Any) -> str:
@@ -131,9 +139,8 @@ def rbac_rules_template(rules: Iterable[Rule]) -> str:
         out.append("")
         out.append(f'{{{{- define "{TEMPLATE_NAMES[scope]}" }}}}')
         for rule in (r for r in rules if r.scope == scope):
-            for why_line in rule.why.strip().splitlines():
-                out.append(f"# {why_line.strip()}")
-            dumped = _dump([rule.policy_rule()]).splitlines()
-            out += dumped
+            out += [f"# {line}" for line in textwrap.wrap(" ".join(rule.why.split()), 98)]
+            for index, (key, value) in enumerate(rule.policy_rule().items()):
+                out.append(f"{'- ' if index == 0 else '  '}{key}: {_flow(value)}")
         out.append("{{- end }}")
     return "\n".join(out) + "\n"

@@ -41,7 +41,10 @@ def resources_granted(role: dict[str, Any]) -> set[str]:
 
 def test_lint_is_clean_in_every_mode(tmp_path) -> None:
     namespaced = tmp_path / "namespaced.yaml"
-    namespaced.write_text("operator: {watch: {scope: namespaces, namespaces: [a, b]}, replicas: 2}\n")
+    namespaced.write_text(
+        "operator: {watch: {scope: namespaces, namespaces: [a, b]}, replicas: 2,"
+        " leaderElection: {enabled: true}}\n"
+    )
     helm.lint(CHART)
     helm.lint(CHART, values=[namespaced])
 
@@ -77,16 +80,15 @@ def test_operator_pod_is_locked_down() -> None:
 
 def test_cluster_scope_watches_all_namespaces_through_one_cluster_role() -> None:
     docs = render()
-    assert "--all-namespaces" in operator_container(docs)["args"]
+    assert "KVFERRY_NAMESPACES" not in {e["name"] for e in operator_container(docs)["env"]}
     (cluster_role,) = by_kind(docs, "ClusterRole")
     assert {"disaggregatedinferences", "statefulsets"} <= resources_granted(cluster_role)
 
 
 def test_namespaced_scope_grants_workload_access_only_in_the_watched_namespaces() -> None:
     docs = render("operator.watch.scope=namespaces", "operator.watch.namespaces={team-a,team-b}")
-    args = operator_container(docs)["args"]
-    assert "--namespace=team-a" in args and "--namespace=team-b" in args
-    assert "--all-namespaces" not in args
+    env = {e["name"]: e.get("value") for e in operator_container(docs)["env"]}
+    assert env["KVFERRY_NAMESPACES"] == "team-a,team-b"
     roles = {
         r["metadata"]["namespace"]: r for r in by_kind(docs, "Role") if r["metadata"]["name"] == "kvferry"
     }
@@ -99,7 +101,8 @@ def test_namespaced_scope_grants_workload_access_only_in_the_watched_namespaces(
 
 def test_namespaced_scope_defaults_to_the_release_namespace() -> None:
     docs = render("operator.watch.scope=namespaces", namespace="inference")
-    assert "--namespace=inference" in operator_container(docs)["args"]
+    env = {e["name"]: e.get("value") for e in operator_container(docs)["env"]}
+    assert env["KVFERRY_NAMESPACES"] == "inference"
 
 
 def test_crds_are_kept_on_uninstall_by_default_and_can_be_left_out() -> None:
@@ -122,7 +125,20 @@ def test_chart_crd_is_the_generated_crd() -> None:
 def test_two_replicas_need_leader_election() -> None:
     with pytest.raises(helm.HelmError, match="operator.replicas > 1 needs operator.leaderElection.enabled"):
         render("operator.replicas=2", "operator.leaderElection.enabled=false")
-    assert by_kind(render("operator.replicas=2"), "Deployment")[0]["spec"]["replicas"] == 2
+    (deployment,) = by_kind(
+        render("operator.replicas=2", "operator.leaderElection.enabled=true"), "Deployment"
+    )
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KVFERRY_PEERING"] == "kvferry"
+
+
+def test_a_standalone_operator_is_replaced_without_overlap() -> None:
+    (deployment,) = by_kind(render(), "Deployment")
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KVFERRY_STANDALONE"] == "true" and "KVFERRY_PEERING" not in env
 
 
 @pytest.mark.parametrize(
