@@ -1,0 +1,236 @@
+"""Fixtures for the operator's cluster tests: the CRD installed, the operator's ServiceAccount bound to
+exactly the RBAC in operator/rbac.py, and `kvferry operator` run as a real subprocess per test.
+
+Import the fixtures into a test module with `from tests.cluster.operator_fixtures import *  # noqa`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+from kvferry.operator import names, rbac
+from kvferry.operator.spec import GROUP, PLURAL, VERSION
+
+ROOT = Path(__file__).resolve().parents[2]
+OPERATOR_NAMESPACE = "kvferry-system"
+OPERATOR_SA = "kvferry-operator"
+OPERATOR_START_TIMEOUT_S = 60.0
+WAIT_S = 60.0  # default bound for every wait in these tests
+
+
+def wait_until(pred: Callable[[], Any], what: str, timeout_s: float = WAIT_S, interval_s: float = 0.2) -> Any:
+    """Poll `pred` until it returns something truthy; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {last!r})")
+
+
+@pytest.fixture(scope="session")
+def kvferry_crd(control_plane, kubeconfig) -> str:
+    """The generated CRD (and kopf's peering CRDs) applied and Established."""
+    for path in ("crds/disaggregatedinferences.yaml", "crds/kopf-peerings.yaml"):
+        control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / path))
+    crd = f"{PLURAL}.{GROUP}"
+    control_plane.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    return crd
+
+
+@pytest.fixture(scope="session")
+def operator_kubeconfig(control_plane, admin_api, kvferry_crd) -> Path:
+    """A kubeconfig acting as the operator's ServiceAccount, bound to rbac.cluster_role() only."""
+    core, authz = client.CoreV1Api(admin_api), client.RbacAuthorizationV1Api(admin_api)
+    try:
+        core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    for create, body in (
+        (authz.create_cluster_role, rbac.cluster_role()),
+        (authz.create_cluster_role_binding, rbac.cluster_role_binding(OPERATOR_NAMESPACE, OPERATOR_SA)),
+    ):
+        try:
+            create(body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+    return control_plane.sa_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SA, create=True)
+
+
+class OperatorProcess:
+    """`kvferry operator` as a subprocess; stopped by PID."""
+
+    def __init__(
+        self, kubeconfig: Path, namespace: str, log: Path, *args: str, env: dict[str, str] | None = None
+    ):
+        exe = shutil.which("kvferry")
+        assert exe, "kvferry console script not on PATH (source scripts/env.sh)"
+        self.log = log
+        argv = [exe, "operator", "--standalone", "-n", namespace, "--kubeconfig", str(kubeconfig), *args]
+        self._out = log.open("ab")
+        self.proc = subprocess.Popen(
+            argv, stdout=self._out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_started(self) -> None:
+        wait_until(
+            lambda: (
+                self.proc.poll() is not None
+                or "Handling" in self.text()
+                or "Resuming" in self.text()
+                or "Starting the main" in self.text()
+                or "Watching" in self.text()
+            ),
+            "operator start",
+            OPERATOR_START_TIMEOUT_S,
+        )
+        assert self.proc.poll() is None, f"operator exited:\n{self.text()[-3000:]}"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._out.close()
+        return self.proc.returncode
+
+    def forbidden(self) -> list[str]:
+        return [
+            line
+            for line in self.text().splitlines()
+            if "403" in line or "Forbidden" in line or "forbidden" in line
+        ]
+
+
+@pytest.fixture
+def start_operator(operator_kubeconfig, namespace, tmp_path) -> Iterator[Callable[..., OperatorProcess]]:
+    """Factory: start `kvferry operator` for the test's namespace as the operator SA. Every process is
+    stopped at teardown and its log must show no 403 (the shipped RBAC is enough)."""
+    started: list[OperatorProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None, wait: bool = True) -> OperatorProcess:
+        op = OperatorProcess(
+            operator_kubeconfig, namespace, tmp_path / f"operator-{len(started)}.log", *args, env=env
+        )
+        started.append(op)
+        if wait:
+            op.wait_started()
+        return op
+
+    yield start
+    for op in started:
+        op.stop()
+    denied = [line for op in started for line in op.forbidden()]
+    assert not denied, "operator hit 403s:\n" + "\n".join(denied[:20])
+
+
+@pytest.fixture
+def operator(start_operator) -> OperatorProcess:
+    return start_operator("--metrics-interval", "1")
+
+
+class Cluster:
+    """Small helpers over the admin API for assertions."""
+
+    def __init__(self, plane, api, namespace: str):
+        self.plane, self.api, self.ns = plane, api, namespace
+        self.custom = client.CustomObjectsApi(api)
+        self.apps = client.AppsV1Api(api)
+        self.core = client.CoreV1Api(api)
+
+    def apply(self, cr: dict[str, Any], check: bool = True) -> subprocess.CompletedProcess:
+        cr = {**cr, "metadata": {**cr["metadata"], "namespace": self.ns}}
+        return self.plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(cr), check=check)
+
+    def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return self.plane.kubectl("-n", self.ns, *args, check=check)
+
+    def cr(self, name: str) -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
+
+    def condition(self, name: str, ctype: str) -> dict[str, Any]:
+        conds = self.cr(name).get("status", {}).get("conditions", [])
+        return next((c for c in conds if c["type"] == ctype), {})
+
+    def ready(self, name: str) -> bool:
+        cr = self.cr(name)
+        cond = next((c for c in cr.get("status", {}).get("conditions", []) if c["type"] == "Ready"), {})
+        return (
+            cond.get("status") == "True"
+            and cr["status"].get("observedGeneration") == cr["metadata"]["generation"]
+        )
+
+    def get(self, kind: str, name: str) -> dict[str, Any] | None:
+        res = self.kubectl("get", kind, name, "-o", "json", check=False)
+        return json.loads(res.stdout) if res.returncode == 0 else None
+
+    def owned(self, cr_name: str) -> dict[tuple[str, str], dict[str, Any]]:
+        """Every object labelled as made for `cr_name`, by (kind, name)."""
+        kinds = ",".join(
+            [
+                "configmaps",
+                "services",
+                "statefulsets",
+                "deployments",
+                "poddisruptionbudgets",
+                "serviceaccounts",
+                "roles",
+                "rolebindings",
+            ]
+        )
+        res = self.kubectl("get", kinds, "-l", f"{names.LABEL_NAME}={cr_name}", "-o", "json")
+        return {(o["kind"], o["metadata"]["name"]): o for o in json.loads(res.stdout)["items"]}
+
+    def pods(self, cr_name: str, role: str | None = None) -> list[dict[str, Any]]:
+        sel = f"{names.LABEL_NAME}={cr_name}" + (f",{names.LABEL_ROLE}={role}" if role else "")
+        return json.loads(self.kubectl("get", "pods", "-l", sel, "-o", "json").stdout)["items"]
+
+    def events(self, reason: str) -> list[dict[str, Any]]:
+        res = self.kubectl("get", "events", "--field-selector", f"reason={reason}", "-o", "json")
+        return json.loads(res.stdout)["items"]
+
+
+@pytest.fixture
+def cluster(control_plane, admin_api, namespace) -> Cluster:
+    return Cluster(control_plane, admin_api, namespace)
+
+
+EXPECTED_KINDS = {
+    "ConfigMap": 1,
+    "ServiceAccount": 1,
+    "Role": 1,
+    "RoleBinding": 1,
+    "Service": 3,
+    "StatefulSet": 2,
+    "PodDisruptionBudget": 2,
+    "Deployment": 1,
+}
+
+
+def kinds_of(objs: dict[tuple[str, str], Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for kind, _ in objs:
+        out[kind] = out.get(kind, 0) + 1
+    return out
