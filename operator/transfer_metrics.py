@@ -17,11 +17,16 @@ from prometheus_client.parser import text_string_to_metric_families
 # NixlConnector's, used when connector=vllm.
 TRANSFERS = ("kvferry_transfers_total", "vllm:nixl_xfer_time_seconds_count")
 FAILURES = ("kvferry_transfer_failures_total", "vllm:nixl_num_failed_transfers_total")
-HISTOGRAMS = ("kvferry_transfer_seconds", "vllm:nixl_xfer_time_seconds")
+# Transfer time: the connector's producer-side match-to-WRITE-done histogram (docs/metrics.md).
+HISTOGRAMS = ("kvferry_match_to_done_seconds", "kvferry_transfer_seconds", "vllm:nixl_xfer_time_seconds")
 # On decode pods: where prompt tokens came from (computed locally vs received as KV).
 TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 LOCAL, EXTERNAL = "local_compute", "external_kv_transfer"
 BACKEND_LABEL = "backend"  # any kvferry_* sample carrying it names the NIXL backend in use
+# The connector's start-up preflight: kvferry_preflight_ok{check="backend_UCX"} 1 names a loaded backend;
+# check="ucx_on_efa" 0 means UCX was chosen on a host with EFA devices.
+PREFLIGHT = "kvferry_preflight_ok"
+UCX_ON_EFA_CHECK = "ucx_on_efa"
 FAILURE_REASON_LABEL = "reason"
 # Decode computing more than this share of prompt tokens itself means KV is not arriving.
 RECOMPUTE_SHARE = 0.5
@@ -38,6 +43,7 @@ class Sample:
     local_tokens: float = 0.0
     external_tokens: float = 0.0
     backends: set[str] = field(default_factory=set)
+    ucx_on_efa: bool = False
 
 
 def parse(text: str) -> Sample:
@@ -47,7 +53,12 @@ def parse(text: str) -> Sample:
         for s in family.samples:
             if s.name.startswith("kvferry_") and BACKEND_LABEL in s.labels:
                 out.backends.add(s.labels[BACKEND_LABEL])
-            if s.name in TRANSFERS:
+            if s.name == PREFLIGHT:
+                check = s.labels.get("check", "")
+                if check.startswith("backend_") and s.value == 1:
+                    out.backends.add(check.removeprefix("backend_"))
+                out.ucx_on_efa |= check == UCX_ON_EFA_CHECK and s.value == 0
+            elif s.name in TRANSFERS:
                 out.transfers += s.value
             elif s.name in FAILURES:
                 out.failures += s.value
@@ -76,6 +87,7 @@ def merge(samples: list[Sample]) -> Sample:
         total.local_tokens += s.local_tokens
         total.external_tokens += s.external_tokens
         total.backends |= s.backends
+        total.ucx_on_efa |= s.ucx_on_efa
     return total
 
 
@@ -117,7 +129,9 @@ def health(
     if scraped == 0:
         return "Unknown", Reason.METRICS_UNAVAILABLE, "no engine pod metrics could be read"
     wrong = sorted(b for b in producer.backends | consumer.backends if b != "LIBFABRIC")
-    if efa and wrong:
+    if producer.ucx_on_efa or consumer.ucx_on_efa:
+        wrong = wrong or ["UCX"]
+    if (efa and wrong) or producer.ucx_on_efa or consumer.ucx_on_efa:
         return (
             "False",
             Reason.WRONG_BACKEND,

@@ -38,8 +38,9 @@ def test_subset_compares_quantities_as_strings_and_lists_by_length() -> None:
 
 
 def test_config_from_env_and_flags() -> None:
-    cfg = OperatorConfig.from_env({"KVFERRY_NAMESPACES": "a, b", "KVFERRY_STANDALONE": "true",
-                                   "KVFERRY_METRICS_INTERVAL": "5"})  # fmt: skip
+    cfg = OperatorConfig.from_env(
+        {"KVFERRY_NAMESPACES": "a, b", "KVFERRY_STANDALONE": "true", "KVFERRY_METRICS_INTERVAL": "5"}
+    )
     assert (cfg.namespaces, cfg.standalone, cfg.metrics_interval) == (("a", "b"), True, 5.0)
     with pytest.raises(ValueError, match="KVFERRY_METRICS_INTERVAL"):
         OperatorConfig.from_env({"KVFERRY_METRICS_INTERVAL": "soon"})
@@ -50,9 +51,16 @@ def test_config_from_env_and_flags() -> None:
 
 
 def test_rbac_covers_every_rendered_kind_with_apply_verbs() -> None:
-    plural = {"ConfigMap": "configmaps", "ServiceAccount": "serviceaccounts", "Role": "roles",
-              "RoleBinding": "rolebindings", "Service": "services", "StatefulSet": "statefulsets",
-              "PodDisruptionBudget": "poddisruptionbudgets", "Deployment": "deployments"}  # fmt: skip
+    plural = {
+        "ConfigMap": "configmaps",
+        "ServiceAccount": "serviceaccounts",
+        "Role": "roles",
+        "RoleBinding": "rolebindings",
+        "Service": "services",
+        "StatefulSet": "statefulsets",
+        "PodDisruptionBudget": "poddisruptionbudgets",
+        "Deployment": "deployments",
+    }
     granted = {(g, r): set(v) for gs, rs, v, _ in rbac.RULES for g in gs for r in rs}
     for obj in render(make_inference("r").obj()).objects:
         group = obj["apiVersion"].rpartition("/")[0]

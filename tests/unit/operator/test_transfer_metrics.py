@@ -71,3 +71,26 @@ def test_unreadable_or_missing_metrics_are_unknown_not_healthy() -> None:
 def test_quantile_interpolates_inside_buckets(q: float, expected: float) -> None:
     buckets = {0.01: 10.0, 0.05: 90.0, 0.1: 100.0, float("inf"): 100.0}
     assert tm.quantile(buckets, q) == pytest.approx(expected, rel=0.01)
+
+
+def test_connector_preflight_names_the_backend_and_flags_ucx_on_efa() -> None:
+    text = (
+        '# TYPE kvferry_preflight_ok gauge\nkvferry_preflight_ok{check="backend_UCX"} 1\n'
+        'kvferry_preflight_ok{check="ucx_on_efa"} 0\n'
+    )
+    sample = tm.parse(text)
+    assert sample.backends == {"UCX"} and sample.ucx_on_efa
+    assert _run([metrics(5) + text], [], efa=False)[1][1] == Reason.WRONG_BACKEND
+
+
+def test_the_connectors_transfer_histogram_feeds_the_quantiles() -> None:
+    text = (
+        "# TYPE kvferry_match_to_done_seconds histogram\n"
+        'kvferry_match_to_done_seconds_bucket{le="0.01"} 50\n'
+        'kvferry_match_to_done_seconds_bucket{le="0.1"} 100\n'
+        'kvferry_match_to_done_seconds_bucket{le="+Inf"} 100\n'
+        "kvferry_match_to_done_seconds_count 100\nkvferry_match_to_done_seconds_sum 1\n"
+        '# TYPE kvferry_transfers counter\nkvferry_transfers_total{role="producer"} 100\n'
+    )
+    summary, _ = _run([text], [])
+    assert summary["p50Seconds"] == pytest.approx(0.01) and summary["transfers"] == 100
