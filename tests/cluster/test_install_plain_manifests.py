@@ -24,10 +24,12 @@ def installed(control_plane: ControlPlane, kubeconfig: Path) -> Iterator[None]:
     try:
         yield
     finally:
-        # The CRDs stay: other tests share them (and uninstalling keeps them on purpose).
-        for kind, name in (("clusterrolebinding", "kvferry"), ("clusterrole", "kvferry")):
-            control_plane.kubectl("delete", kind, name, "--ignore-not-found", check=False)
-        control_plane.kubectl("delete", "namespace", INSTALL_NAMESPACE, "--wait=false", check=False)
+        # CRDs and the namespace stay: other tests share them (the operator tests use kvferry-system).
+        docs = [d for d in yaml.safe_load_all(INSTALL.read_text()) if d]
+        mine = [d for d in docs if d["kind"] not in ("CustomResourceDefinition", "Namespace")]
+        control_plane.kubectl(
+            "delete", "--ignore-not-found", "-f", "-", input=yaml.safe_dump_all(mine), check=False
+        )
 
 
 def test_install_yaml_brings_up_the_operator_deployment(control_plane: ControlPlane, installed: None) -> None:
