@@ -14,6 +14,7 @@ import json
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -53,6 +54,7 @@ class Kube:
     api: client.ApiClient
     requests: Counter = field(default_factory=Counter)  # "VERB kind" -> count
     forbidden: Counter = field(default_factory=Counter)  # 403s by "VERB kind": RBAC gaps show up here
+    on_request: Callable[[str, str, int], None] | None = None  # (verb, kind, HTTP status) hook for metrics
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -109,6 +111,8 @@ class Kube:
         except Exception as exc:  # urllib3 transport errors: report, kopf retries
             raise KubeError(0, f"{method} {url}: {exc}") from exc
         data = json.loads(resp.data) if resp.data else {}
+        if self.on_request is not None:
+            self.on_request(method, kind, resp.status)
         if resp.status == 403:
             with self._lock:
                 self.forbidden[f"{method} {kind}"] += 1

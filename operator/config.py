@@ -63,6 +63,12 @@ class OperatorConfig:
     liveness: str = setting(
         "", "KVFERRY_LIVENESS", "host:port for the /healthz liveness endpoint; empty = none."
     )
+    metrics_port: int = setting(
+        0, "KVFERRY_METRICS_PORT", "Port of the operator's own /metrics (API requests, reconciles); 0 = off."
+    )
+    metrics_host: str = setting(
+        "0.0.0.0", "KVFERRY_METRICS_HOST", "Address the operator's /metrics binds to."
+    )
     apply_pause_seconds: float = setting(
         0.0,
         "KVFERRY_APPLY_PAUSE_SECONDS",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import kopf
-from kvferry.operator import names, reconcile, scrape
+from kvferry.operator import names, reconcile, scrape, selfmetrics
 from kvferry.operator.apply import Kube
 from kvferry.operator.config import OperatorConfig
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
@@ -42,6 +42,15 @@ def raise_for(outcome: reconcile.Outcome) -> None:
         raise kopf.TemporaryError(outcome.failed, delay=RETRY_DELAY_S)
 
 
+def timed(trigger: str, run: Any) -> reconcile.Outcome:
+    """Run one reconcile, counting it by trigger and result in the operator's own metrics."""
+    with selfmetrics.RECONCILE_SECONDS.time():
+        outcome = run()
+    result = "invalid" if outcome.invalid else "failed" if outcome.failed else "ok"
+    selfmetrics.RECONCILES.labels(trigger, result).inc()
+    return outcome
+
+
 def owner_key(obj: Any) -> tuple[str, str] | None:
     ref = next((r for r in obj["metadata"].get("ownerReferences", []) if r.get("controller")), None)
     if not ref or ref.get("kind") != "DisaggregatedInference":
@@ -64,6 +73,9 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         settings.posting.level = 20  # INFO and up become Kubernetes events
         settings.execution.max_workers = 8  # reconciles run in threads (the client is synchronous)
         memo.kube = Kube.from_kubeconfig(cfg.kubeconfig or None)
+        memo.kube.on_request = selfmetrics.record_request
+        if cfg.metrics_port:
+            selfmetrics.serve(cfg.metrics_port, cfg.metrics_host)
         memo.fetch = scrape.http_fetcher(cfg.metrics_timeout)
 
     @kopf.on.cleanup(registry=registry)
@@ -72,36 +84,21 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
 
     @kopf.index(*CR, id="inferences", registry=registry)
     def inferences(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict:
-        return {
-            (namespace, name): {
-                "metadata": dict(body.metadata),
-                "spec": dict(body.spec),
-                "status": dict(body.status),
-            }
-        }
+        return {(namespace, name): _plain(body)}
 
     @kopf.index("apps", "v1", "statefulsets", labels=MANAGED, id="owned", registry=registry)
     @kopf.index("apps", "v1", "deployments", labels=MANAGED, id="owned", registry=registry)
     def owned(body: kopf.Body, **_: Any) -> dict:
         key = owner_key(body)
         role = body["metadata"].get("labels", {}).get(names.LABEL_ROLE)
-        return (
-            {
-                (*key, role): {
-                    "metadata": dict(body.metadata),
-                    "spec": dict(body.spec),
-                    "status": dict(body.status),
-                }
-            }
-            if key
-            else {}
-        )
+        return {(*key, role): _plain(body)} if key else {}
 
     @kopf.on.resume(*CR, id="reconcile", registry=registry)
     @kopf.on.create(*CR, id="reconcile", registry=registry)
     @kopf.on.update(*CR, id="reconcile", registry=registry)
     def reconcile_cr(body: kopf.Body, memo: kopf.Memo, reason: str, **_: Any) -> None:
-        outcome = reconcile.reconcile(memo.kube, _plain(body), cfg, trigger=str(reason))
+        trigger = str(reason)
+        outcome = timed(trigger, lambda: reconcile.reconcile(memo.kube, _plain(body), cfg, trigger=trigger))
         post(body, outcome)
         raise_for(outcome)
 
@@ -113,16 +110,13 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         ) -> None:
             key = owner_key(body)
             cr = _first(inferences, key) if key else None
-            if (
-                cr is None
-                or event.get("type") not in ("MODIFIED", "DELETED")
-                or cr["metadata"].get("deletionTimestamp")
-            ):
+            if cr is None or event.get("type") not in ("MODIFIED", "DELETED"):
                 return
+            if cr["metadata"].get("deletionTimestamp"):
+                return  # the GC is removing everything; re-applying would fight it
             mine = {role: _first(owned, (*key, role)) for role in (*names.ROLES, "router")}
-            outcome = reconcile.on_owned_change(
-                memo.kube, cr, cfg, event_type=event["type"], obj=_plain(body), owned=mine
-            )
+            kw = {"event_type": event["type"], "obj": _plain(body), "owned": mine}
+            outcome = timed("owned", lambda: reconcile.on_owned_change(memo.kube, cr, cfg, **kw))
             post(_ref(cr), outcome)
 
     @kopf.timer(
@@ -135,7 +129,8 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         *CR, id="resync", interval=cfg.resync_interval, initial_delay=cfg.resync_interval, registry=registry
     )
     def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-        post(body, reconcile.reconcile(memo.kube, _plain(body), cfg, trigger="resync"))
+        run = lambda: reconcile.reconcile(memo.kube, _plain(body), cfg, trigger="resync")  # noqa: E731
+        post(body, timed("resync", run))
 
 
 def _plain(body: Any) -> dict[str, Any]:

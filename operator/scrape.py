@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-from kvferry.operator import names, status, transfer_metrics
+from kvferry.operator import names, selfmetrics, status, transfer_metrics
 from kvferry.operator.apply import Kube, now_iso
 from kvferry.operator.config import OperatorConfig
 from kvferry.operator.reconcile import Event
@@ -74,6 +74,7 @@ def scrape(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, fetch: Fetch) ->
         efa=spec.get("accelerator") in EFA_ACCELERATORS,
         now=now,
     )
+    selfmetrics.SCRAPES.labels("ok" if summary["scrapedPods"] else "no-pods-answered").inc()
     gen = previous.get("observedGeneration", 0)
     conditions = status.set_condition(
         previous.get("conditions", []), ConditionType.TRANSFER_HEALTHY, state, reason, message, gen, now
