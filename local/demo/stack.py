@@ -28,6 +28,7 @@ GROUP, VERSION, PLURAL = "kvferry.io", "v1alpha1", "disaggregatedinferences"
 AGENT_NODE = "cpu-0"
 POD_CIDR = "127.0.10.0/24"
 OPERATOR_STOP_S = 15.0
+METRICS_INTERVAL_S = 5.0  # the operator's default is 30 s; the demo wants transfers to count up visibly
 
 Report = Callable[[str], None]
 
@@ -46,6 +47,9 @@ def demo_cr(name: str, namespace: str, model: Path, prefill: int = 1, decode: in
             "model": str(model),
             "servedModelName": "tiny",
             "accelerator": "cpu",
+            # float32: the tiny model's own dtype (auto would downcast to bf16); eager: no torch.compile,
+            # which costs a minute per server start on two busy cores.
+            "vllm": {"dtype": "float32", "maxModelLen": 2048, "extraArgs": ["--enforce-eager"]},
             "prefill": {"replicas": prefill},
             "decode": {"replicas": decode},
         },
@@ -88,7 +92,8 @@ class Stack:
         plane = self._plane()
         log = self.workdir / "logs" / "operator.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "kvferry.cli", "operator"]
+        argv = [sys.executable, "-m", "kvferry.cli", "operator", "--standalone"]
+        argv += ["--kubeconfig", str(plane.kubeconfig), "--metrics-interval", str(METRICS_INTERVAL_S)]
         with log.open("ab") as fh:
             self.operator = subprocess.Popen(
                 argv, env=plane.env(), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True

@@ -32,16 +32,7 @@ NS, NAME = "demo-e2e", "tiny"
 PODS_READY_S = 900.0
 STATUS_S = 120.0
 SINGLE_READY_S = 300.0
-# The args the operator's cpu preset gives vLLM that change numerics (kept equal for the baseline).
-SINGLE_ARGS = [
-    "--served-model-name",
-    "tiny",
-    "--block-size",
-    "16",
-    "--dtype",
-    "auto",
-    "--no-enable-prefix-caching",
-]
+DROPPED = {"--kv-transfer-config", "--port", "--shutdown-timeout"}  # P/D-only or per-process flags
 
 
 def _free_port() -> int:
@@ -58,22 +49,8 @@ def single_outputs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     model, port = tinymodel.ensure("llama"), _free_port()
     work = tmp_path_factory.mktemp("single")
     bin_dir = image.write_bin_dir(work / "bin")
-    env = {
-        **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1",
-    }
-    argv = [
-        str(bin_dir / "vllm"),
-        "serve",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *SINGLE_ARGS,
-    ]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    argv = [str(bin_dir / "vllm"), "serve", *_engine_args(model), "--host", "127.0.0.1", "--port", str(port)]
     with (work / "vllm.log").open("wb") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -87,6 +64,26 @@ def single_outputs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+def _engine_args(model: Path) -> list[str]:
+    """The prefill pod's vLLM args as the operator renders them for the demo CR, minus P/D-only flags."""
+    from kvferry.operator.render import render
+
+    objects = render(demo_cr(NAME, NS, model)).objects
+    sts = next(
+        o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == f"{NAME}-prefill"
+    )
+    args, out = sts["spec"]["template"]["spec"]["containers"][0]["args"], []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in DROPPED:
+            skip = True
+        else:
+            out.append(arg)
+    return out
 
 
 def _healthy(url: str, proc: subprocess.Popen[bytes], work: Path) -> bool:
