@@ -78,7 +78,8 @@ class PodWorker:
 
     def stop(self, wait_s: float) -> None:
         """Agent shutdown: stop the containers (grace capped at `wait_s`), leave the pod object."""
-        self._delete_grace = min(self._delete_grace or self.grace_s, wait_s)
+        grace = self.grace_s if self._delete_grace is None else self._delete_grace
+        self._delete_grace = min(grace, wait_s)
         self._stop.set()
         self._thread.join(timeout=wait_s + 15)
 
@@ -107,7 +108,12 @@ class PodWorker:
             self.runners = [
                 self._runner(c, pod["spec"].get("restartPolicy", "Always")) for c in self._containers()
             ]
-        except (podspec.PodSpecError, KubeError, OSError) as exc:
+        except KubeError as exc:
+            # Transient (API unreachable, token not yet issuable): the worker ends and the next
+            # relist of the watch starts a new one, as the kubelet retries a pod sync.
+            log.warning("pod %s: setup will be retried: %s", self.key, exc)
+            return False
+        except (podspec.PodSpecError, OSError) as exc:
             self.setup_error = str(exc)
             log.error("pod %s: %s", self.key, exc)
             self._write_status()
