@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from kvferry.connector.config import KvferryConfig
 from kvferry.connector.layout import KVLayout
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.sidechannel import SideChannelError, SideChannelServer, fetch_peer
-from kvferry.connector.transport import NixlTransport, TransportError
+from kvferry.connector.transport import NixlTransport, TransportError, WritePlan
 from kvferry.connector.wire import (
     Cancel,
     Done,
@@ -61,7 +62,18 @@ class _Write:
     rank: int
     handle: Any
     started: float
+    plan: WritePlan
+
+
+@dataclass(frozen=True)
+class WriteRecord:
+    """One completed WRITE, kept in a short ring for the benchmark and debugging."""
+
+    mode: str
+    descriptors: int
     nbytes: int
+    prep_s: float
+    write_s: float
 
 
 def engine_of(agent_name: str) -> str:
@@ -108,6 +120,7 @@ class Endpoint:
         ] = {}
         self._peers: dict[tuple[str, int], tuple[str, str]] = {}  # (host, port) -> (incarnation, agent)
         self._writes: list[_Write] = []
+        self.recent: deque[WriteRecord] = deque(maxlen=256)  # appended by the thread; read after the fact
         self._recv: dict[Key, tuple[str, int, list[list[int]], int]] = {}  # consumer: host, port, blocks, n
         self.transport: NixlTransport | None = None
         self.side: SideChannelServer | None = None
@@ -303,8 +316,10 @@ class Endpoint:
             self._writes.remove(w)
             ok = state == "DONE"
             if ok:
-                self.metrics.bytes.labels(self.role).inc(w.nbytes)
+                self.metrics.bytes.labels(self.role).inc(w.plan.nbytes)
                 self.metrics.match_to_done.observe(now - w.started)
+                p = w.plan
+                self.recent.append(WriteRecord(p.mode, p.descriptors, p.nbytes, p.prep_s, now - w.started))
             out += self.producer.write_finished(
                 w.key,
                 w.rank,
@@ -380,7 +395,7 @@ class Endpoint:
         self.metrics.descriptors.labels(plan.mode).observe(plan.descriptors)
         self.metrics.prep_seconds.labels(plan.mode).observe(plan.prep_s)
         self.metrics.transfers.labels(self.role).inc()
-        self._writes.append(_Write(key, reg.consumer_rank, handle, now, plan.nbytes))
+        self._writes.append(_Write(key, reg.consumer_rank, handle, now, plan))
 
     def _to_producers(self, action: P.Register | P.SendCancel, now: float) -> None:
         info = self._recv.get(action.key)

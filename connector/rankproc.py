@@ -8,6 +8,7 @@ by its PID, killing it if it does not exit in time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -116,8 +117,9 @@ def _child_main(conn: Any, spec: RankSpec) -> None:
 
 def _handle(ep: Any, kv: HostKV, op: str, args: tuple) -> Any:
     if op == "finish":  # producer: prefill computed -> fill the blocks, hand them over
-        request_id, attempt, blocks, num_tokens, consumer = args
-        kv.fill(blocks, num_tokens)
+        request_id, attempt, blocks, num_tokens, consumer, *fill = args
+        if not fill or fill[0]:
+            kv.fill(blocks, num_tokens)
         t0 = time.perf_counter()
         ep.prefill_finished(request_id, attempt, [blocks], num_tokens, consumer)
         return time.perf_counter() - t0  # the hand-off cost on the caller's thread
@@ -135,6 +137,10 @@ def _handle(ep: Any, kv: HostKV, op: str, args: tuple) -> Any:
     if op == "mismatches":
         blocks, num_tokens = args
         return kv.mismatches(blocks, num_tokens)
+    if op == "writes":  # completed WRITEs since the last call (benchmark)
+        records = [dataclasses.asdict(r) for r in list(ep.recent)]
+        ep.recent.clear()
+        return records
     if op == "metrics":
         from prometheus_client import generate_latest
 
