@@ -80,3 +80,12 @@ def test_handlers_register_reconcile_owned_watches_and_timers() -> None:
         | {h.id for h in registry._indexing.get_all_handlers()}
     )
     assert {"reconcile", "transfer-status", "resync", "owned-statefulsets", "inferences", "owned"} <= ids
+
+
+def test_every_setting_is_documented() -> None:
+    from kvferry.operator.config import describe
+    from kvferry.operator.crdgen import ROOT
+
+    text = (ROOT / "docs/operator.md").read_text()
+    missing = [env for _, env, _, _ in describe() if f"`{env}`" not in text]
+    assert not missing, f"docs/operator.md lacks {missing}"
