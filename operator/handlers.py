@@ -96,8 +96,8 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     @kopf.on.resume(*CR, id="reconcile", registry=registry)
     @kopf.on.create(*CR, id="reconcile", registry=registry)
     @kopf.on.update(*CR, id="reconcile", registry=registry)
-    def reconcile_cr(body: kopf.Body, memo: kopf.Memo, reason: str, **_: Any) -> None:
-        trigger = str(reason)
+    def reconcile_cr(body: kopf.Body, memo: kopf.Memo, reason: kopf.Reason, **_: Any) -> None:
+        trigger = getattr(reason, "value", str(reason))
         outcome = timed(trigger, lambda: reconcile.reconcile(memo.kube, _plain(body), cfg, trigger=trigger))
         post(body, outcome)
         raise_for(outcome)
