@@ -1,0 +1,26 @@
+"""Shared e2e fixtures: the tiny model and the single-instance reference outputs (computed once)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvferry.connector.serve import ServerSpec, VllmProcess, free_port
+from kvferry.local.tinymodel import ensure
+
+from .pdclient import outputs
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return ensure("llama")
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Greedy outputs of one plain vLLM instance; stopped before any P/D pair starts (memory)."""
+    log = tmp_path_factory.mktemp("single") / "single.log"
+    spec = ServerSpec(model=tiny_model, port=free_port(), cores="0-1")
+    with VllmProcess(spec, log) as single:
+        return outputs(single.url)

@@ -1,0 +1,70 @@
+"""Greedy outputs through router -> prefill + decode equal a single vLLM instance, token for token,
+for every connector mode that exists, and decode really received the KV (it did not recompute)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from kvferry.connector.pdstack import PdStack, kvferry_connector_available
+from kvferry.connector.promtext import metric_sum, parse_metrics
+
+from .pdclient import PROMPT_LENGTHS, outputs, requests
+
+pytestmark = pytest.mark.e2e
+
+# (mode, prefill block size, decode block size); kvferry cases join once its connector exists.
+CASES = [("vllm-pull", None, None), ("vllm-push", None, None)]
+if kvferry_connector_available():
+    CASES += [("kvferry", None, None), ("kvferry", 128, 64)]
+
+
+def _case_id(case: tuple[str, int | None, int | None]) -> str:
+    mode, pb, db = case
+    return mode if pb is None else f"{mode}-P{pb}-D{db}"
+
+
+@pytest.fixture(scope="module", params=CASES, ids=_case_id)
+def stack(
+    request: pytest.FixtureRequest, reference: Any, tiny_model: Path, tmp_path_factory: Any
+) -> Iterator[PdStack]:
+    mode, pb, db = request.param
+    workdir = tmp_path_factory.mktemp(_case_id(request.param))
+    pd = PdStack(mode, tiny_model, workdir, prefill_block_size=pb, decode_block_size=db).start()
+    try:
+        yield pd
+    finally:
+        pd.stop()
+
+
+def test_outputs_equal_single_instance_and_decode_received_kv(
+    stack: PdStack, reference: dict[str, Any]
+) -> None:
+    assert stack.decode is not None and stack.prefill is not None
+    d_before, p_before = stack.decode.metrics(), stack.prefill.metrics()
+
+    got = outputs(stack.url, concurrency=4)
+
+    for key, want in reference.items():
+        assert got[key] == want, f"{key}: P/D output differs from the single instance"
+    d_after, p_after = stack.decode.metrics(), stack.prefill.metrics()
+    n = len(requests())
+
+    def delta(after: dict[str, float], before: dict[str, float], name: str, **labels: str) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    external = delta(d_after, d_before, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    local = delta(d_after, d_before, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    prompt = delta(d_after, d_before, "vllm:prompt_tokens_total")
+    # D computed (almost) nothing itself: every prompt token but at most one per request came over NIXL.
+    assert prompt >= sum(PROMPT_LENGTHS), prompt
+    assert local <= n, f"decode computed {local} prompt tokens locally: it recomputed instead of loading KV"
+    assert external >= prompt - n, (external, prompt)
+    # P ran exactly the 1-token prefill legs.
+    assert delta(p_after, p_before, "vllm:generation_tokens_total") == n
+    router = parse_metrics(httpx.get(stack.url + "/metrics").text)
+    assert metric_sum(router, "kvferry_router_recomputes_total") == 0
+    assert metric_sum(router, "kvferry_router_requests_total", outcome="ok") >= n
