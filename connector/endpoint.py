@@ -120,6 +120,7 @@ class Endpoint:
         ] = {}
         self._peers: dict[tuple[str, int], tuple[str, str]] = {}  # (host, port) -> (incarnation, agent)
         self._writes: list[_Write] = []
+        self._last_pending: dict[str, int] = {}
         self.recent: deque[WriteRecord] = deque(maxlen=256)  # appended by the thread; read after the fact
         self._recv: dict[Key, tuple[str, int, list[list[int]], int]] = {}  # consumer: host, port, blocks, n
         self.transport: NixlTransport | None = None
@@ -269,7 +270,11 @@ class Endpoint:
         actions += core.tick(now)
         for action in actions:
             self._do(action, now)
-        self.metrics.set_pending(self.role, {**core.pending(), "handshakes": len(self._fetches)})
+        pending = {**core.pending(), "handshakes": len(self._fetches)}
+        if pending != self._last_pending:  # journal changes only: rounds run hundreds of times a second
+            for kind, n in pending.items():
+                self.metrics.record("pending", n, self.role, kind, str(self.tp_rank))
+            self._last_pending = pending
         return active or bool(actions)
 
     def _read_notifs(self, now: float) -> list[P.Action]:
@@ -316,8 +321,9 @@ class Endpoint:
             self._writes.remove(w)
             ok = state == "DONE"
             if ok:
-                self.metrics.bytes.labels(self.role).inc(w.plan.nbytes)
-                self.metrics.match_to_done.observe(now - w.started)
+                self.metrics.record("bytes", w.plan.nbytes, self.role)
+                self.metrics.record("match_to_done", now - w.started)
+                self.metrics.record("transfers", 1, self.role)
                 p = w.plan
                 self.recent.append(WriteRecord(p.mode, p.descriptors, p.nbytes, p.prep_s, now - w.started))
             out += self.producer.write_finished(
@@ -332,7 +338,7 @@ class Endpoint:
     # ---- actions ----
     def _do(self, action: P.Action, now: float) -> None:
         if isinstance(action, P.StartWrite):
-            self.metrics.reg_to_match.observe(action.registration_to_match_s)
+            self.metrics.record("reg_to_match", action.registration_to_match_s)
             reg = action.reg
             self._with_peer(
                 reg.consumer_host,
@@ -344,7 +350,7 @@ class Endpoint:
         elif isinstance(action, P.SendFailure):
             reg = action.reg
             msg = encode(Failure(reg.request_id, reg.attempt, self.engine_id, self.tp_rank, action.reason))
-            self.metrics.failures.labels(self.role, action.reason).inc()
+            self.metrics.record("failures", 1, self.role, action.reason)
             self._with_peer(
                 reg.consumer_host,
                 reg.consumer_port,
@@ -364,16 +370,16 @@ class Endpoint:
             self._to_producers(action, now)
         elif isinstance(action, P.Received):
             self._recv.pop(action.key, None)
-            self.metrics.transfers.labels(self.role).inc()
-            self.metrics.receive_wait.observe(action.wait_s)
+            self.metrics.record("transfers", 1, self.role)
+            self.metrics.record("receive_wait", action.wait_s)
             self._publish(lambda r: r.received.append(action.key))
         elif isinstance(action, P.Failed):
             self._recv.pop(action.key, None)
-            self.metrics.failures.labels(self.role, action.reason).inc()
+            self.metrics.record("failures", 1, self.role, action.reason)
             log.warning("kvferry: receive of %s failed: %s", action.key, action.reason)
             self._publish(lambda r: r.failed.append((action.key, action.reason)))
         elif isinstance(action, P.Reject):
-            self.metrics.rejected.labels(self.role, action.reason).inc()
+            self.metrics.record("rejected", 1, self.role, action.reason)
             log.warning("kvferry %s ignored input (%s): %s", self.role, action.reason, action.detail)
 
     def _start_write(self, action: P.StartWrite, agent: str | None, err: str) -> None:
@@ -392,9 +398,8 @@ class Endpoint:
             log.warning("kvferry: write of %s to %s failed to start: %s", key, agent, exc)
             self._feed(self.producer.write_finished(key, reg.consumer_rank, False, "write_failed", now), now)
             return
-        self.metrics.descriptors.labels(plan.mode).observe(plan.descriptors)
-        self.metrics.prep_seconds.labels(plan.mode).observe(plan.prep_s)
-        self.metrics.transfers.labels(self.role).inc()
+        self.metrics.record("descriptors", plan.descriptors, plan.mode)
+        self.metrics.record("prep_seconds", plan.prep_s, plan.mode)
         self._writes.append(_Write(key, reg.consumer_rank, handle, now, plan))
 
     def _to_producers(self, action: P.Register | P.SendCancel, now: float) -> None:
@@ -492,10 +497,10 @@ class Endpoint:
                 info = future.result()
                 agent = self.transport.load_peer(info.agent_metadata, layout_from_wire(info.layout))
                 self._peers[addr] = (info.incarnation, agent)
-                self.metrics.handshakes.labels("ok").inc()
+                self.metrics.record("handshakes", 1, "ok")
             except Exception as exc:  # any failure fails the waiting transfers, never the thread
                 err = str(exc)
-                self.metrics.handshakes.labels("failed").inc()
+                self.metrics.record("handshakes", 1, "failed")
                 log.warning("kvferry: peer %s:%d unavailable: %s", *addr, err)
             for then in waiters:
                 then(agent, err)

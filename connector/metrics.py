@@ -1,10 +1,16 @@
 """Metrics step: the `kvferry_` Prometheus metrics (documented one by one in docs/metrics.md).
 
-Each `Metrics` owns its registry by default so several endpoints can live in one process (tests,
-demo); inside vLLM the worker passes the registry that vLLM's /metrics exposes.
+One table (`SPECS`) defines every metric. `Metrics` records into prometheus_client objects in its
+own registry (tests, demo, benchmark) and, when asked, into a journal of updates. Inside vLLM the
+worker process cannot serve /metrics, so the worker ships its journal through vLLM's connector stats
+(`KvferryStats`, connector.py) and the API server replays it with `apply()` onto metrics created
+with vLLM's own metric classes and labels (`build()` with `extra_labels`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -12,68 +18,130 @@ _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 _COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 
 
-class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.transfers = Counter(
-            "kvferry_transfers",
-            "Completed KV transfers (producer: writes to one "
-            "consumer rank; consumer: requests fully received)",
-            ["role"],
-            registry=r,
-        )
-        self.failures = Counter(
-            "kvferry_transfer_failures", "KV transfers that failed, by reason", ["role", "reason"], registry=r
-        )
-        self.rejected = Counter(
-            "kvferry_rejected_messages",
-            "Inputs ignored (malformed, unknown request, duplicate, superseded, unexpected engine...)",
-            ["role", "reason"],
-            registry=r,
-        )
-        self.bytes = Counter(
-            "kvferry_transfer_bytes", "Bytes written by WRITEs (producer) ", ["role"], registry=r
-        )
-        self.descriptors = Histogram(
-            "kvferry_descriptors_per_transfer",
-            "NIXL descriptors per WRITE",
-            ["mode"],
-            buckets=_COUNTS,
-            registry=r,
-        )
-        self.prep_seconds = Histogram(
-            "kvferry_descriptor_prep_seconds",
-            "Time to map blocks and build the descriptors of one WRITE",
-            ["mode"],
-            buckets=_SECONDS,
-            registry=r,
-        )
-        self.reg_to_match = Histogram(
-            "kvferry_registration_to_match_seconds",
-            "Producer: wait of the earlier of registration and prefill-finished for the other",
-            buckets=_SECONDS,
-            registry=r,
-        )
-        self.match_to_done = Histogram(
-            "kvferry_match_to_done_seconds",
-            "Producer: match to WRITE completion (includes a first-contact handshake)",
-            buckets=_SECONDS,
-            registry=r,
-        )
-        self.receive_wait = Histogram(
-            "kvferry_receive_wait_seconds",
-            "Consumer: expectation to all KV received",
-            buckets=_SECONDS,
-            registry=r,
-        )
-        self.pending = Gauge(
-            "kvferry_pending", "Entries in the connector's bounded maps", ["role", "kind"], registry=r
-        )
-        self.handshakes = Counter(
-            "kvferry_handshakes", "Side-channel peer metadata fetches", ["result"], registry=r
-        )
+@dataclass(frozen=True)
+class Spec:
+    attr: str
+    kind: type
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
 
-    def set_pending(self, role: str, counts: dict[str, int]) -> None:
-        for kind, n in counts.items():
-            self.pending.labels(role, kind).set(n)
+
+SPECS = (
+    Spec(
+        "transfers",
+        Counter,
+        "kvferry_transfers",
+        "Completed KV transfers (producer: WRITEs to one consumer rank; consumer: requests fully received)",
+        ("role",),
+    ),
+    Spec(
+        "failures",
+        Counter,
+        "kvferry_transfer_failures",
+        "KV transfers that failed, by reason",
+        ("role", "reason"),
+    ),
+    Spec(
+        "rejected",
+        Counter,
+        "kvferry_rejected_messages",
+        "Inputs ignored and not acted on (malformed, "
+        "unknown request, duplicate, superseded, unexpected engine, ...)",
+        ("role", "reason"),
+    ),
+    Spec("bytes", Counter, "kvferry_transfer_bytes", "Bytes moved by completed WRITEs", ("role",)),
+    Spec(
+        "descriptors",
+        Histogram,
+        "kvferry_descriptors_per_transfer",
+        "NIXL descriptors per WRITE",
+        ("mode",),
+        _COUNTS,
+    ),
+    Spec(
+        "prep_seconds",
+        Histogram,
+        "kvferry_descriptor_prep_seconds",
+        "Time to map blocks and build the descriptors of one WRITE",
+        ("mode",),
+        _SECONDS,
+    ),
+    Spec(
+        "reg_to_match",
+        Histogram,
+        "kvferry_registration_to_match_seconds",
+        "Producer: how long the earlier of registration and prefill-finished waited for the other",
+        (),
+        _SECONDS,
+    ),
+    Spec(
+        "match_to_done",
+        Histogram,
+        "kvferry_match_to_done_seconds",
+        "Producer: WRITE start to completion",
+        (),
+        _SECONDS,
+    ),
+    Spec(
+        "receive_wait",
+        Histogram,
+        "kvferry_receive_wait_seconds",
+        "Consumer: expectation to all KV received",
+        (),
+        _SECONDS,
+    ),
+    Spec(
+        "pending",
+        Gauge,
+        "kvferry_pending",
+        "Entries in the connector's bounded maps",
+        ("role", "kind", "tp_rank"),
+    ),
+    Spec("handshakes", Counter, "kvferry_handshakes", "Side-channel peer metadata fetches", ("result",)),
+)
+
+
+def build(
+    kinds: dict[type, type], registry: CollectorRegistry | None, extra_labels: tuple[str, ...] = ()
+) -> dict:
+    """Create every metric with the given classes (prometheus_client's, or vLLM's wrappers)."""
+    out = {}
+    for s in SPECS:
+        kw: dict[str, Any] = {"registry": registry} if registry is not None else {}
+        if s.buckets:
+            kw["buckets"] = s.buckets
+        out[s.attr] = kinds[s.kind](s.name, s.help, [*extra_labels, *s.labels], **kw)
+    return out
+
+
+_OPS = {Counter: "inc", Histogram: "observe", Gauge: "set"}
+_KIND = {s.attr: s.kind for s in SPECS}
+
+
+def apply(metrics: dict, journal: list[list[Any]], extra_values: tuple[Any, ...] = ()) -> None:
+    """Replay journal entries [attr, labels, value] onto metrics made by `build`."""
+    for attr, labels, value in journal:
+        if attr not in metrics:
+            continue  # a newer worker's metric this process does not know yet
+        metric = metrics[attr].labels(*extra_values, *labels) if (extra_values or labels) else metrics[attr]
+        getattr(metric, _OPS[_KIND[attr]])(value)
+
+
+class Metrics:
+    """The endpoint's recorder: `record(attr, value, *labels)`."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, journal: bool = False) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._m = build({Counter: Counter, Histogram: Histogram, Gauge: Gauge}, self.registry)
+        self._journal: list[list[Any]] | None = [] if journal else None
+
+    def record(self, attr: str, value: float, *labels: str) -> None:
+        apply(self._m, [[attr, list(labels), value]])
+        if self._journal is not None:
+            self._journal.append([attr, list(labels), value])
+
+    def take_journal(self) -> list[list[Any]]:
+        out, self._journal = self._journal or [], [] if self._journal is not None else None
+        return out
