@@ -1,0 +1,82 @@
+"""Leg params: kvferry params follow docs/contracts.md §1; upstream push always carries remote_request_id."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kvferry.connector.router import params as legs
+from kvferry.connector.router.config import Endpoint
+from kvferry.connector.router.errors import ApiError
+
+P = Endpoint("prefill", "http://127.0.0.1:8100", "prefill-0", "127.0.0.1", 5600, 1, "r1")
+D = Endpoint("decode", "http://127.0.0.1:8200", "decode-0", "127.0.0.1", 5601, 1, "r1")
+
+
+def test_kvferry_params_match_the_contract() -> None:
+    assert legs.prefill_params("kvferry", "rid", 2, D, 30.0) == {
+        "do_remote_decode": True,
+        "kvferry": {"v": 1, "request_id": "rid", "attempt": 2, "role": "producer",
+                    "consumer": {"engine_id": "decode-0"}, "deadline_s": 30.0},
+    }  # fmt: skip
+    assert legs.decode_params("kvferry", legs.COMPLETIONS, "rid", 2, P, 30.0) == {
+        "do_remote_prefill": True,
+        "kvferry": {"v": 1, "request_id": "rid", "attempt": 2, "role": "consumer",
+                    "producer": {"engine_id": "prefill-0", "host": "127.0.0.1", "port": 5600, "tp_size": 1},
+                    "deadline_s": 30.0},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "rid"), [(legs.COMPLETIONS, "cmpl-abc-0"), (legs.CHAT, "chatcmpl-abc")])
+def test_upstream_push_decode_params_always_have_remote_request_id(path: str, rid: str) -> None:
+    params = legs.decode_params("vllm-push", path, "abc", 0, P, 30.0)
+    required = {"do_remote_prefill", "remote_engine_id", "remote_host", "remote_port", "tp_size", "pp_size"}
+    assert required <= set(params)
+    assert params["remote_request_id"] == rid
+    assert (params["remote_engine_id"], params["remote_port"]) == ("prefill-0", 5600)
+
+
+def test_pull_forwards_prefill_params_verbatim_and_refuses_none() -> None:
+    answer = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_engine_id": "prefill-0"}
+    assert legs.decode_params("vllm-pull", legs.COMPLETIONS, "r", 0, P, 0, answer) == answer
+    with pytest.raises(ValueError, match="forwards the prefill response"):
+        legs.decode_params("vllm-pull", legs.COMPLETIONS, "r", 0, P, 0, None)
+
+
+def test_prefill_body_is_one_token_non_streaming() -> None:
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 50, "stream": True, "stream_options": {"a": 1},
+            "min_tokens": 3, "max_completion_tokens": 50}  # fmt: skip
+    out = legs.prefill_body(body, {"do_remote_decode": True})
+    assert out["max_tokens"] == 1 and out["max_completion_tokens"] == 1 and out["stream"] is False
+    assert "stream_options" not in out and "min_tokens" not in out
+    assert out["kv_transfer_params"] == {"do_remote_decode": True}
+    assert body["max_tokens"] == 50, "the client body is not modified"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        (legs.COMPLETIONS, [], 400, None),
+        (legs.COMPLETIONS, {"prompt": ""}, 400, "prompt"),
+        (legs.COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
+        (legs.COMPLETIONS, {"prompt": "a", "n": 2}, 400, "n"),
+        (legs.COMPLETIONS, {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+        (legs.COMPLETIONS, {"prompt": "a", "stream": "yes"}, 400, "stream"),
+        (legs.COMPLETIONS, {"prompt": "a", "kv_transfer_params": {}}, 400, "kv_transfer_params"),
+        (legs.COMPLETIONS, {"prompt": "a", "model": "other"}, 404, "model"),
+        (legs.CHAT, {"messages": []}, 400, "messages"),
+    ],
+)
+def test_bad_requests_are_rejected_with_the_field(
+    path: str, body: Any, status: int, param: str | None
+) -> None:
+    with pytest.raises(ApiError) as err:
+        legs.validate(path, body, "tiny")
+    assert err.value.status == status and err.value.param == param
+    assert err.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_good_requests_pass() -> None:
+    assert legs.validate(legs.COMPLETIONS, {"prompt": [1, 2, 3], "stream": True}, "tiny").stream is True
+    assert legs.validate(legs.COMPLETIONS, {"prompt": ["one"], "model": "tiny"}, "tiny").stream is False
+    assert legs.validate(legs.CHAT, {"messages": [{"role": "user", "content": "hi"}]}, None).path == legs.CHAT
