@@ -127,7 +127,10 @@ class OperatorProcess:
             "KVFERRY_METRICS_URL": f"http://127.0.0.1:{closed_port}/metrics",
             "KVFERRY_METRICS_INTERVAL": "3600",
         }
-        self.env.pop("KVFERRY_METRICS_PORT", None)
+        self.metrics_port: int | None = None
+        if self.env.get("KVFERRY_METRICS_PORT"):  # the chart's metrics.enabled
+            self.metrics_port = free_port()
+            self.env.update(KVFERRY_METRICS_PORT=str(self.metrics_port), KVFERRY_METRICS_HOST="127.0.0.1")
         self.args = args
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
@@ -166,6 +169,13 @@ class OperatorProcess:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+    def metrics(self) -> str:
+        """The operator's own /metrics (what the chart's metrics Service scrapes)."""
+        assert self.metrics_port, "metrics.enabled is false for this release"
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as rsp:
+            return rsp.read().decode()
 
     def text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""

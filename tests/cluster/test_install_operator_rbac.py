@@ -54,6 +54,7 @@ def test_chart_service_account_reconciles_without_a_single_403(
         router_role = get_json(control_plane, "role", "tiny-router", "-n", namespace)
         assert {r for rule in router_role["rules"] for r in rule["resources"]} == {"endpointslices", "pods"}
         assert operator.forbidden_lines() == []
+        assert "# TYPE" in operator.metrics()  # what the chart's metrics Service points at is served
     assert operator.forbidden_lines() == []
 
 
