@@ -22,12 +22,14 @@ CONNECTORS = {"vllm-pull": "NixlConnector", "vllm-push": "NixlPushConnector", "k
 
 
 def kvferry_connector_available() -> bool:
-    """True once the kvferry vLLM connector class exists in this checkout."""
-    try:
-        from kvferry.connector import connector as module
-    except ImportError:
+    """True once the kvferry vLLM connector class exists in this checkout (checked without importing
+    vLLM: vLLM loads it as `kv_connector_module_path` "kvferry.connector")."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kvferry.connector.connector")
+    if spec is None or spec.origin is None:
         return False
-    return hasattr(module, "KvferryConnector")
+    return "class KvferryConnector" in Path(spec.origin).read_text()
 
 
 @dataclass
