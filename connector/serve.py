@@ -120,6 +120,7 @@ def launch_env(
         TRANSFORMERS_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
+        PYTHONUNBUFFERED="1",  # logs reach the file as they happen, not at exit
     )
     if no_progress_thread:
         env[ENV_NO_PROGRESS_THREAD] = "1"
