@@ -1,0 +1,122 @@
+"""P/D comparison bench: in one run, start and sweep a single instance, upstream pull, upstream push and
+kvferry push (when its connector exists), then print the P/D overhead TTFT(P/D) - TTFT(single) per mode
+and the kvferry / upstream-push ratios, side by side.
+
+    python bench/pd_compare.py --out bench/results/pd_compare
+
+Modes run one after another on the same machine (at most 2 vLLM servers alive at a time). Upstream
+connectors run with the UCX progress thread off (kvferry.connector.upstream_patches), their best
+configuration on a CPU host; pass --stock-upstream to run them as shipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from kvferry.connector import loadbench
+from kvferry.connector.pdstack import PdStack, kvferry_connector_available
+from kvferry.connector.serve import ServerSpec, VllmProcess, free_port
+from kvferry.local.tinymodel import ensure
+
+ALL_MODES = ("single", "vllm-pull", "vllm-push", "kvferry")
+
+
+def measure(
+    mode: str, sweep: loadbench.Sweep, model: Path, workdir: Path, stock: bool
+) -> list[loadbench.Cell]:
+    """Start the mode's servers, sweep, stop them (by PID) even on failure."""
+    print(f"== {mode}: starting", flush=True)
+    if mode == "single":
+        server = VllmProcess(ServerSpec(model=model, port=free_port(), cores="0-1"), workdir / "single.log")
+        with server:
+            return loadbench.run_sweep(replace(sweep, url=server.url))
+    stack = PdStack(mode, model, workdir / mode, no_progress_thread=not stock)
+    try:
+        stack.start()
+        return loadbench.run_sweep(replace(sweep, url=stack.url))
+    finally:
+        stack.stop()
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b and not (math.isnan(a) or math.isnan(b)) else "n/a"
+
+
+def comparison(results: dict[str, list[loadbench.Cell]]) -> str:
+    """TTFT p50 per mode, overhead vs single, and kvferry / upstream-push ratios, one row per cell."""
+    modes = [m for m in ALL_MODES if m in results]
+    pd_modes = [m for m in modes if m != "single"]
+    head = ["prompt", "rate"] + [f"TTFT p50 {m}" for m in modes]
+    head += [f"overhead {m}" for m in pd_modes if "single" in results]
+    ratio = "kvferry" in results and "vllm-push" in results
+    if ratio:
+        head += ["TTFT kvferry/push", "TPOT kvferry/push"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, cell in enumerate(results[modes[0]]):
+        row = [str(cell.length), f"{cell.rate:g}"]
+        row += [f"{results[m][i].ttft_ms['p50']:.1f}" for m in modes]
+        if "single" in results:
+            base = results["single"][i].ttft_ms["p50"]
+            row += [f"{results[m][i].ttft_ms['p50'] - base:+.1f}" for m in pd_modes]
+        if ratio:
+            k, p = results["kvferry"][i], results["vllm-push"][i]
+            row += [_ratio(k.ttft_ms["p50"], p.ttft_ms["p50"]), _ratio(k.tpot_ms["p50"], p.tpot_ms["p50"])]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default=",".join(ALL_MODES))
+    parser.add_argument("--lengths", default="256,512,1024")
+    parser.add_argument("--rates", default="1,2,4,8")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per cell")
+    parser.add_argument(
+        "--timeout", type=float, default=30.0, help="per-request bound (a wedge shows as failures)"
+    )
+    parser.add_argument("--stock-upstream", action="store_true", help="keep upstream's UCX progress thread")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/pd_compare"))
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(ALL_MODES))
+    if unknown:
+        parser.error(f"unknown mode(s) {unknown}; choose from {list(ALL_MODES)}")
+    if "kvferry" in modes and not kvferry_connector_available():
+        print("kvferry connector not in this checkout yet: skipping the kvferry mode", file=sys.stderr)
+        modes.remove("kvferry")
+    sweep = loadbench.Sweep(
+        url="", lengths=tuple(int(x) for x in args.lengths.split(",")),
+        rates=tuple(float(x) for x in args.rates.split(",")), max_tokens=args.max_tokens,
+        duration_s=args.duration, timeout_s=args.timeout,
+    )  # fmt: skip
+    model = ensure("llama")
+    results: dict[str, list[loadbench.Cell]] = {}
+    with tempfile.TemporaryDirectory(prefix="pd-compare-") as tmp:
+        for mode in modes:
+            results[mode] = measure(mode, sweep, model, Path(tmp), args.stock_upstream)
+    tables = "\n".join(loadbench.markdown(results[m], m) for m in results)
+    summary = comparison(results)
+    print("\n" + tables + "\n### P/D overhead and ratios (TTFT in ms)\n\n" + summary)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    upstream = "as shipped" if args.stock_upstream else "UCX progress thread off"
+    header = f"# P/D comparison\n\nCommand: `python bench/pd_compare.py {' '.join(argv or sys.argv[1:])}`\n"
+    header += f"Upstream connectors: {upstream}. Output tokens: {args.max_tokens}. Prefix caching off.\n\n"
+    args.out.with_suffix(".md").write_text(header + summary + "\n" + tables)
+    doc = {"sweep": asdict(sweep), "modes": {m: [asdict(c) for c in cells] for m, cells in results.items()}}
+    args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    loadbench.plot(
+        results, args.out.with_suffix(".png"), "TTFT / TPOT p50: single vs P/D modes (2 CPU cores)"
+    )
+    print(f"wrote {args.out.with_suffix('.md')}, .json, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
