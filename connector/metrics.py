@@ -112,7 +112,8 @@ def build(
         kw: dict[str, Any] = {"registry": registry} if registry is not None else {}
         if s.buckets:
             kw["buckets"] = s.buckets
-        out[s.attr] = kinds[s.kind](s.name, s.help, [*extra_labels, *s.labels], **kw)
+        labels = [*extra_labels, *s.labels]
+        out[s.attr] = kinds[s.kind](name=s.name, documentation=s.help, labelnames=labels, **kw)
     return out
 
 

@@ -249,6 +249,14 @@ class ProducerCore:
                     f"{key} registered by {reg.consumer_engine}, expected {entry.consumer_engine}",
                 )
             ]
+        if reg.num_tokens > entry.num_tokens:  # e.g. the two legs tokenized the prompt differently
+            return [
+                Reject(
+                    "token_mismatch",
+                    f"{key}: consumer wants {reg.num_tokens} tokens, prefill has {entry.num_tokens}",
+                ),
+                SendFailure(reg, "token_mismatch"),
+            ]
         targets = set(overlapping_ranks(self.total_heads, self.rank, self.tp_size, reg.consumer_tp))
         if reg.consumer_rank not in targets:
             return [Reject("unexpected_rank", f"{key}: consumer rank {reg.consumer_rank} shares no heads")]

@@ -204,3 +204,10 @@ def test_duplicate_done_is_rejected():
     c.expect(("r", 0), "p0", producer_tp=2, deadline_s=30, now=0.0)
     c.notice(done(0), now=0.1)
     assert kinds(c.notice(done(0), now=0.1)) == ["Reject"]
+
+
+def test_consumer_asking_for_more_tokens_than_prefilled_fails_fast():
+    p = producer()
+    p.prefill_finished(("r", 0), BLOCKS, 30, "d0", now=0.0)
+    out = p.registration(reg(), now=0.1)  # reg() asks for 40 tokens
+    assert kinds(out) == ["Reject", "SendFailure"] and out[1].reason == "token_mismatch"
