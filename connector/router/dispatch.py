@@ -196,6 +196,8 @@ class Dispatcher:
                 raise p_task.exception()  # type: ignore[misc]
             return await d_task
         finally:
+            if not d_task.done():
+                d_task.cancel()  # only when this handler itself is cancelled: never leave D running
             self._detach(p_task)
 
     async def _pull(
