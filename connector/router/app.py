@@ -17,6 +17,7 @@ import aiohttp
 from aiohttp import web
 from kvferry.connector.promtext import metric_sum, parse_metrics
 from kvferry.connector.router import params as legs
+from kvferry.connector.router.aggregate import Aggregator
 from kvferry.connector.router.config import RouterConfig
 from kvferry.connector.router.discovery import make_discovery
 from kvferry.connector.router.dispatch import Dispatcher, OpenLeg, new_request_id
@@ -101,6 +102,10 @@ async def _relay(
         headers["X-Kvferry-Recomputed"] = leg.recomputed
     outcome = "recomputed" if leg.recomputed else "ok"
     try:
+        if leg.aggregate:
+            state["metrics"].ttft.labels(cfg.mode).observe(time.monotonic() - started)
+            answer = await _aggregate(leg, request.path == legs.CHAT, started + cfg.deadlines.total_s)
+            return web.json_response(answer, headers=headers), outcome
         if not leg.stream:
             state["metrics"].ttft.labels(cfg.mode).observe(time.monotonic() - started)
             body = web.Response(body=leg.first, status=200, content_type="application/json", headers=headers)
@@ -124,6 +129,29 @@ async def _relay(
         return resp, outcome
     finally:
         dispatcher.finish_leg(leg)
+
+
+async def _aggregate(leg: OpenLeg, chat: bool, deadline: float) -> dict[str, Any]:
+    """Collect decode's stream into one answer, within the request's total deadline."""
+    agg = Aggregator(chat)
+    agg.feed(leg.first)
+
+    async def drain() -> None:
+        async for chunk in leg.response.content.iter_any():
+            agg.feed(chunk)
+
+    try:
+        await asyncio.wait_for(drain(), max(deadline - time.monotonic(), 0.1))
+    except asyncio.TimeoutError:
+        raise ApiError(504, f"decode {leg.engine.engine_id} did not finish within the total deadline",
+                       "decode_timeout") from None  # fmt: skip
+    except aiohttp.ClientError as exc:
+        raise ApiError(502, f"decode {leg.engine.engine_id} stream broke: {exc!r}", "decode_stream") from None
+    if agg.error is not None:
+        raise ApiError(
+            502, f"decode {leg.engine.engine_id}: {agg.error.get('message', agg.error)}", "decode_error"
+        )
+    return agg.result()
 
 
 async def _pipe(leg: OpenLeg, resp: web.StreamResponse) -> None:

@@ -15,11 +15,13 @@ import asyncio
 import json
 import logging
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from kvferry.connector.router import params as legs
+from kvferry.connector.router.aggregate import can_aggregate, streaming_body
 from kvferry.connector.router.config import Endpoint, RouterConfig
 from kvferry.connector.router.errors import ApiError, LegError
 from kvferry.connector.router.metrics import RouterMetrics
@@ -27,6 +29,7 @@ from kvferry.connector.router.selection import LoadTracker
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
+KV_MARGIN_S = 5.0
 
 
 @dataclass
@@ -37,6 +40,7 @@ class OpenLeg:
     response: aiohttp.ClientResponse
     first: bytes
     stream: bool
+    aggregate: bool = False  # D streams, the client wants one JSON answer (see aggregate.py)
     recomputed: str | None = None  # reason, when this is a local recompute
 
 
@@ -113,8 +117,9 @@ class Dispatcher:
         return data.get("kv_transfer_params") if isinstance(data, dict) else None
 
     async def open_decode(
-        self, ep: Endpoint, path: str, body: dict[str, Any], rid: str, stream: bool, timeout_s: float
-    ) -> OpenLeg:
+        self, ep: Endpoint, path: str, body: dict[str, Any], rid: str, stream: bool, timeout_s: float,
+        aggregate: bool = False,
+    ) -> OpenLeg:  # fmt: skip
         """Send the decode leg and read its first bytes (streaming) or whole body within timeout_s."""
         self._begin(ep)
         holder: list[aiohttp.ClientResponse] = []
@@ -124,7 +129,7 @@ class Dispatcher:
                 raise self._fail(
                     "decode", "empty", f"decode {ep.engine_id} closed the stream before any token"
                 )
-            return OpenLeg(ep, holder[0], first, stream)
+            return OpenLeg(ep, holder[0], first, stream, aggregate)
         except BaseException as exc:
             if holder:
                 holder[0].close()  # closing the connection makes vLLM abort the request
@@ -171,34 +176,58 @@ class Dispatcher:
             if not exc.retryable or remaining <= 1.0:
                 raise exc.as_api_error() from None
             target = decode if exc.leg == "prefill" else prefill
-            return await self._recompute(req, target, rid, exc, remaining)
+            return await self._recompute(req, target, rid, exc, deadline)
 
-    def _first_token_s(self, req: legs.ClientRequest, deadline: float) -> float:
+    def _decode(
+        self, req: legs.ClientRequest, ep: Endpoint, params: dict[str, Any] | None, rid: str, deadline: float
+    ) -> Awaitable[OpenLeg]:
+        """The decode leg (or a recompute when params is None), streamed whenever it can be, so that
+        D's first token is visible and bounded by decode_first_token_s."""
+        body = legs.decode_body(req.body, params)
+        aggregate = can_aggregate(req.body)
+        if aggregate:
+            body = streaming_body(body)
+        stream = req.stream or aggregate
         remaining = deadline - asyncio.get_running_loop().time()
-        return min(self.cfg.deadlines.decode_first_token_s, remaining) if req.stream else remaining
+        timeout = min(self.cfg.deadlines.decode_first_token_s, remaining) if stream else remaining
+        return self.open_decode(ep, req.path, body, rid, stream, timeout, aggregate)
 
     async def _push(
         self, req: legs.ClientRequest, p: Endpoint, d: Endpoint, rid: str, deadline: float
     ) -> OpenLeg:
         mode, dl = self.cfg.mode, self.cfg.deadlines
         p_body = legs.prefill_body(req.body, legs.prefill_params(mode, rid, 0, d, dl.transfer_s))
-        d_body = legs.decode_body(req.body, legs.decode_params(mode, req.path, rid, 0, p, dl.transfer_s))
+        d_params = legs.decode_params(mode, req.path, rid, 0, p, dl.transfer_s)
         p_task = asyncio.create_task(self.prefill(p, req.path, p_body, rid, dl.prefill_s))
-        d_task = asyncio.create_task(
-            self.open_decode(d, req.path, d_body, rid, req.stream, self._first_token_s(req, deadline))
-        )
+        d_task = asyncio.create_task(self._decode(req, d, d_params, rid, deadline))
         try:
             await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
-            if p_task.done() and p_task.exception() is not None and not d_task.done():
-                # D would wait for KV that never comes: abort it, then recompute.
-                d_task.cancel()
-                await asyncio.gather(d_task, return_exceptions=True)
-                raise p_task.exception()  # type: ignore[misc]
+            if p_task.done() and not d_task.done():
+                if p_task.exception() is not None:
+                    # D would wait for KV that never comes: abort it, then recompute.
+                    d_task.cancel()
+                    await asyncio.gather(d_task, return_exceptions=True)
+                    raise p_task.exception()  # type: ignore[misc]
+                await self._await_kv(d_task, p, d)
             return await d_task
         finally:
             if not d_task.done():
                 d_task.cancel()  # only when this handler itself is cancelled: never leave D running
             self._detach(p_task)
+
+    async def _await_kv(self, d_task: asyncio.Task[OpenLeg], p: Endpoint, d: Endpoint) -> None:
+        """P finished: KV must reach D and D must start within transfer_s (plus a margin so the
+        kvferry connector's own deadline_s acts first). Upstream push can lose a registration and
+        then leaves D waiting forever without any error; this bound turns that into a recompute."""
+        bound = self.cfg.deadlines.transfer_s + KV_MARGIN_S
+        done, _ = await asyncio.wait({d_task}, timeout=bound)
+        if done:
+            return
+        d_task.cancel()
+        await asyncio.gather(d_task, return_exceptions=True)
+        self.tracker.mark_down(d)
+        msg = f"decode {d.engine_id} did not start within {bound:.0f}s after prefill {p.engine_id} finished"
+        raise self._fail("decode", "kv_timeout", msg, status=504)
 
     async def _pull(
         self, req: legs.ClientRequest, p: Endpoint, d: Endpoint, rid: str, deadline: float
@@ -211,22 +240,17 @@ class Dispatcher:
             hint = "is it a NixlConnector kv_producer?"
             msg = f"prefill {p.engine_id} returned no usable kv_transfer_params ({kv!r}); {hint}"
             raise self._fail("prefill", "no_kv_params", msg)
-        d_body = legs.decode_body(req.body, legs.decode_params("vllm-pull", req.path, rid, 0, p, 0, kv))
-        return await self.open_decode(
-            d, req.path, d_body, rid, req.stream, self._first_token_s(req, deadline)
-        )
+        params = legs.decode_params("vllm-pull", req.path, rid, 0, p, 0, kv)
+        return await self._decode(req, d, params, rid, deadline)
 
     async def _recompute(
-        self, req: legs.ClientRequest, target: Endpoint, rid: str, cause: LegError, remaining: float
+        self, req: legs.ClientRequest, target: Endpoint, rid: str, cause: LegError, deadline: float
     ) -> OpenLeg:
         reason = f"{cause.leg}_{cause.reason}"
         log.warning("request %s: recomputing on %s after %s", rid, target.engine_id, reason)
         self.metrics.recomputes.labels(reason).inc()
-        timeout = min(self.cfg.deadlines.decode_first_token_s, remaining) if req.stream else remaining
         try:
-            leg = await self.open_decode(
-                target, req.path, legs.decode_body(req.body, None), f"{rid}-r1", req.stream, timeout
-            )
+            leg = await self._decode(req, target, None, f"{rid}-r1", deadline)
         except LegError as exc:
             msg = f"{cause.message}; recompute on {target.engine_id} failed too: {exc.message}"
             raise ApiError(exc.status, msg, code=f"{cause.leg}_{cause.reason}") from None

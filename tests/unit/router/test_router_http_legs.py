@@ -47,9 +47,13 @@ class FakeEngine:
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-            for word in ("a", "b", "c"):
-                await resp.write(f"data: {json.dumps({'choices': [{'text': word}]})}\n\n".encode())
+            for i, word in enumerate(("from", " ", self.name)):
+                choice = {"index": 0, "text": word, "token_ids": [i]}
+                await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
                 await asyncio.sleep(0.05)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"choices": [], "usage": {"completion_tokens": 3}}
+                await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             return resp
         return web.json_response({"choices": [{"text": f"from {self.name}"}], "kv_transfer_params": kv})
@@ -99,6 +103,7 @@ def test_push_sends_both_legs_with_one_request_id() -> None:
     async def check(client: TestClient, p: FakeEngine, d: FakeEngine) -> None:
         resp = await client.post("/v1/completions", json=BODY)
         assert resp.status == 200 and (await resp.json())["choices"][0]["text"] == "from decode-0"
+        assert "stream_options" not in p.seen[0]["body"]
         rid = resp.headers["X-Request-Id"]
         assert p.seen[0]["rid"] == d.seen[0]["rid"] == rid
         assert (
@@ -107,6 +112,10 @@ def test_push_sends_both_legs_with_one_request_id() -> None:
         )
         assert d.seen[0]["body"]["kv_transfer_params"]["remote_request_id"] == f"cmpl-{rid}-0"
         assert d.seen[0]["body"]["max_tokens"] == 5
+        # D streams even for a non-streaming client, so the router sees (and bounds) its first token.
+        assert d.seen[0]["body"]["stream"] is True
+        answer = await resp.json()
+        assert answer["choices"][0]["token_ids"] == [0, 1, 2] and answer["usage"] == {"completion_tokens": 3}
 
     run("vllm-push", "ok", "ok", check)
 
@@ -150,7 +159,7 @@ async def _expect_stuck_decode(client: TestClient, p: FakeEngine, d: FakeEngine)
     resp = await client.post("/v1/completions", json={**BODY, "stream": True})
     text = await resp.text()
     assert resp.status == 200 and resp.headers["X-Kvferry-Recomputed"] == "decode_timeout"
-    assert '"a"' in text and "[DONE]" in text
+    assert '"from"' in text and "prefill-0" in text and "[DONE]" in text
     assert time.monotonic() - start < 3
 
 
@@ -215,3 +224,16 @@ def test_api_key_is_required_on_v1_but_not_on_health() -> None:
         assert good.status == 200
 
     run("kvferry", "ok", "ok", check, api_key="s3cret")
+
+
+def test_push_decode_that_never_starts_after_prefill_is_recomputed() -> None:
+    """Upstream push can lose a registration and leave D waiting for KV forever, silently."""
+
+    async def check(client: TestClient, p: FakeEngine, d: FakeEngine) -> None:
+        start = time.monotonic()
+        resp = await client.post("/v1/completions", json=BODY)
+        assert resp.status == 200 and resp.headers["X-Kvferry-Recomputed"].startswith("decode_")
+        assert (await resp.json())["choices"][0]["text"] == "from prefill-0"
+        assert time.monotonic() - start < 3.5
+
+    run("vllm-push", "ok", "stall", check)
