@@ -33,7 +33,9 @@ def stack(
 ) -> Iterator[PdStack]:
     mode, pb, db = request.param
     workdir = tmp_path_factory.mktemp(_case_id(request.param))
-    pd = PdStack(mode, tiny_model, workdir, prefill_block_size=pb, decode_block_size=db).start()
+    deadlines = {"prefill_s": 60, "decode_first_token_s": 60, "transfer_s": 10, "total_s": 120}
+    pd = PdStack(mode, tiny_model, workdir, prefill_block_size=pb, decode_block_size=db, deadlines=deadlines)
+    pd.start()
     try:
         yield pd
     finally:

