@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import ssl
 import subprocess
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from kvferry.local.controlplane import build, certs, components, kubeconfig, nodes
 from kvferry.local.controlplane.processes import ControlPlaneError, Proc, reserve_ports, wait_for
+from kvferry.local.controlplane.rest import MERGE_PATCH, ApiError, Rest, probe
 
 __all__ = ["ControlPlane", "ControlPlaneError"]
 
@@ -37,6 +36,7 @@ class ControlPlane:
         self.ports: components.Ports | None = None
         self.procs: dict[str, Proc] = {}
         self._certs: certs.PlaneCerts | None = None
+        self._rest: Rest | None = None
 
     # --- paths and identities -------------------------------------------------------------------
 
@@ -92,16 +92,12 @@ class ControlPlane:
         kc = self._write_kubeconfigs()
         logs = d / "logs"
 
+        self._rest = Rest(self.server, self._certs.ca.cert, self._certs.clients["admin"])
         etcd = self._spawn("etcd", components.etcd(ports, d / "etcd"), logs)
-        wait_for("etcd /health", lambda: b"true" in self._get(f"http://127.0.0.1:{ports.etcd_client}/health"),
-                 timeout_s, [etcd])  # fmt: skip
+        etcd_health = f"http://127.0.0.1:{ports.etcd_client}/health"
+        wait_for("etcd /health", lambda: '"health":"true"' in probe(etcd_health), timeout_s, [etcd])
         api = self._spawn("kube-apiserver", components.apiserver(ports, self._certs, d / "apiserver"), logs)
-        wait_for(
-            "kube-apiserver /readyz",
-            lambda: self._get(f"{self.server}/readyz") == b"ok",
-            timeout_s,
-            [etcd, api],
-        )
+        wait_for("kube-apiserver /readyz", lambda: self._api().get("/readyz") == "ok", timeout_s, [etcd, api])
         argv = components.controller_manager(ports, self._certs, kc["controller-manager"], d / "kcm")
         self._spawn("kube-controller-manager", argv, logs)
         self._spawn("kube-scheduler", components.scheduler(ports, kc["scheduler"], d / "scheduler"), logs)
@@ -114,7 +110,7 @@ class ControlPlane:
             "ServiceAccount default/default (controller-manager)", self._default_sa_exists, timeout_s, watch
         )
         sched = f"https://127.0.0.1:{ports.scheduler}/healthz"
-        wait_for("kube-scheduler /healthz", lambda: self._get(sched, verify=False) == b"ok", timeout_s, watch)
+        wait_for("kube-scheduler /healthz", lambda: probe(sched, insecure=True) == "ok", timeout_s, watch)
         self.wait_nodes_ready([n for n in names if self._kwok_managed(n)], timeout_s)
 
     def stop(self) -> None:
@@ -143,18 +139,6 @@ class ControlPlane:
             name = ADMIN_KUBECONFIG if ident.name == "admin" else f"{ident.name}.kubeconfig"
             out[ident.name] = kubeconfig.write(d / name, cfg)
         return out
-
-    def _get(self, url: str, verify: bool = True) -> bytes:
-        ctx = None
-        if url.startswith("https://"):
-            assert self._certs is not None
-            ctx = ssl.create_default_context(cafile=str(self._certs.ca.cert))
-            if not verify:  # component self-signed serving certs (controller-manager, scheduler)
-                ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-            admin = self._certs.clients["admin"]
-            ctx.load_cert_chain(str(admin.cert), str(admin.key))
-        with urllib.request.urlopen(url, timeout=5, context=ctx) as resp:  # noqa: S310 - loopback only
-            return resp.read().strip()
 
     # --- state file (for `kvferry cluster down/env` from another process) ------------------------
 
@@ -221,23 +205,18 @@ class ControlPlane:
         self, counts: dict[str, int] | None = None, *, kwok_cpu: bool | None = None, wait: bool = True
     ) -> list[str]:
         """Create (or update) fake nodes; returns their names. Waits for kwok-run nodes to be Ready."""
-        from kubernetes import client
-        from kubernetes.client.rest import ApiException
-
         kwok_cpu = self.kwok_cpu if kwok_cpu is None else kwok_cpu
         specs = nodes.manifests(counts, kwok_cpu=kwok_cpu)
-        with self.admin_client() as admin:
-            core = client.CoreV1Api(admin)
-            for body in specs:
-                try:
-                    core.create_node(body)
-                except ApiException as e:
-                    if e.status != 409:
-                        raise
-                    core.patch_node(
-                        body["metadata"]["name"], {"metadata": body["metadata"], "spec": body["spec"]}
-                    )
-                    core.patch_node_status(body["metadata"]["name"], {"status": body["status"]})
+        rest = self._api()
+        for body in specs:
+            path = f"/api/v1/nodes/{body['metadata']['name']}"
+            try:
+                rest.call("POST", "/api/v1/nodes", body)
+            except ApiError as e:
+                if e.status != 409:
+                    raise
+                rest.call("PATCH", path, {"metadata": body["metadata"], "spec": body["spec"]}, MERGE_PATCH)
+                rest.call("PATCH", f"{path}/status", {"status": body["status"]}, MERGE_PATCH)
         names = [b["metadata"]["name"] for b in specs]
         if wait:
             self.wait_nodes_ready([b["metadata"]["name"] for b in specs if _is_kwok(b)], NODE_READY_TIMEOUT_S)
@@ -245,11 +224,9 @@ class ControlPlane:
 
     def wait_nodes_ready(self, names: list[str], timeout_s: float = NODE_READY_TIMEOUT_S) -> None:
         """Wait until each node is Ready and the not-ready taint is lifted (so pods can schedule)."""
-        from kubernetes import client
 
         def ready() -> bool:
-            with self.admin_client() as admin:
-                items = {n.metadata.name: n for n in client.CoreV1Api(admin).list_node().items}
+            items = {n["metadata"]["name"]: n for n in self._api().get("/api/v1/nodes")["items"]}
             return all(n in items and _node_schedulable(items[n]) for n in names)
 
         wait_for(
@@ -260,18 +237,19 @@ class ControlPlane:
         return self.kwok_cpu or not name.startswith("cpu-")
 
     def _default_sa_exists(self) -> bool:
-        from kubernetes import client
+        return self._api().exists("/api/v1/namespaces/default/serviceaccounts/default")
 
-        with self.admin_client() as admin:
-            client.CoreV1Api(admin).read_namespaced_service_account("default", "default")
-        return True
+    def _api(self) -> Rest:
+        if self._rest is None:
+            raise ControlPlaneError("control plane not started by this process")
+        return self._rest
 
 
 def _is_kwok(body: dict[str, Any]) -> bool:
     return body["metadata"]["annotations"].get(nodes.KWOK_ANNOTATION) == nodes.KWOK_VALUE
 
 
-def _node_schedulable(node) -> bool:
-    conds = {c.type: c.status for c in (node.status.conditions or [])}
-    taints = {t.key for t in (node.spec.taints or [])}
+def _node_schedulable(node: dict[str, Any]) -> bool:
+    conds = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions") or []}
+    taints = {t["key"] for t in node.get("spec", {}).get("taints") or []}
     return conds.get("Ready") == "True" and "node.kubernetes.io/not-ready" not in taints
