@@ -1,0 +1,105 @@
+"""scheduler glue: bad params fail one request (never raise), producers hold blocks only while pushing."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="the scheduler glue runs inside vLLM")  # the connector extra has vLLM
+
+from kvferry.connector.config import KvferryConfig  # noqa: E402
+from kvferry.connector.scheduler import KvferryScheduler  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+DECODE = {
+    "do_remote_prefill": True,
+    "kvferry": {
+        "v": 1,
+        "request_id": "abc",
+        "attempt": 0,
+        "role": "consumer",
+        "producer": {"engine_id": "prefill-0", "host": "127.0.0.1", "port": 5600, "tp_size": 1},
+    },
+}
+PREFILL = {
+    "do_remote_decode": True,
+    "kvferry": {
+        "v": 1,
+        "request_id": "abc",
+        "attempt": 0,
+        "role": "producer",
+        "consumer": {"engine_id": "decode-0"},
+    },
+}
+
+
+def request(params, status=RequestStatus.WAITING, n=300):
+    return SimpleNamespace(
+        request_id="cmpl-abc-0-1234",
+        kv_transfer_params=copy.deepcopy(params),
+        prompt_token_ids=list(range(n)),
+        num_computed_tokens=0,
+        status=status,
+    )
+
+
+BLOCKS = SimpleNamespace(get_block_ids=lambda: ([4, 5, 6],))
+
+
+def test_consumer_registers_once_and_recomputes_after():
+    s = KvferryScheduler(KvferryConfig.from_extra({"backends": ["UCX"]}), is_producer=False)
+    req = request(DECODE)
+    assert s.get_num_new_matched_tokens(req, 0) == (300, True)
+    s.update_state_after_alloc(req, BLOCKS, 300)
+    s.update_state_after_alloc(req, BLOCKS, 300)  # vLLM may call twice
+    meta = s.build_connector_meta(None)
+    assert [(e.req_id, e.block_ids, e.num_tokens) for e in meta.expects] == [
+        (req.request_id, [[4, 5, 6]], 300)
+    ]
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # after a failure: local recompute
+    assert s.build_connector_meta(None).expects == []
+
+
+def test_malformed_consumer_params_fail_that_request_without_raising():
+    s = KvferryScheduler(KvferryConfig.from_extra({"backends": ["UCX"]}), is_producer=False)
+    bad = copy.deepcopy(DECODE)
+    del bad["kvferry"]["producer"]["host"]
+    req = request(bad)
+    assert s.get_num_new_matched_tokens(req, 0) == (300, True)
+    s.update_state_after_alloc(req, BLOCKS, 300)
+    meta = s.build_connector_meta(None)
+    assert meta.expects == [] and meta.invalid == [(req.request_id, meta.invalid[0][1])]
+    assert "kvferry.producer.host is missing" in meta.invalid[0][1]
+
+
+def test_consumer_abort_while_waiting_cancels():
+    s = KvferryScheduler(KvferryConfig.from_extra({"backends": ["UCX"]}), is_producer=False)
+    req = request(DECODE)
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, BLOCKS, 300)
+    s.build_connector_meta(None)
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert s.request_finished(req, ([4, 5, 6],)) == (False, None)
+    assert s.build_connector_meta(None).aborted == [("abc", 0)]
+
+
+def test_producer_holds_blocks_only_for_pushed_finishes():
+    s = KvferryScheduler(KvferryConfig.from_extra({"backends": ["UCX"], "lease_s": 30}), is_producer=True)
+    done = request(PREFILL, RequestStatus.FINISHED_LENGTH_CAPPED)
+    hold, params = s.request_finished(done, ([1, 2, 3],))
+    assert hold and params["kvferry"]["request_id"] == "abc"
+    assert s.has_pending_push_work()
+    meta = s.build_connector_meta(None)
+    assert [(f.req_id, f.block_ids, f.num_tokens) for f in meta.finished] == [
+        (done.request_id, [[1, 2, 3]], 300)
+    ]
+    s.update_connector_output(SimpleNamespace(finished_sending={done.request_id}))
+    assert not s.has_pending_push_work()
+    aborted = request(PREFILL, RequestStatus.FINISHED_ABORTED)
+    assert s.request_finished(aborted, ([1],)) == (False, None)
+    assert s.build_connector_meta(None).aborted == [("abc", 0)]
+    bad = request({"do_remote_decode": True}, RequestStatus.FINISHED_LENGTH_CAPPED)
+    hold, params = s.request_finished(bad, ([1],))
+    assert not hold and "kvferry is missing" in params["kvferry_error"]
