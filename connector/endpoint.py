@@ -16,7 +16,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +23,8 @@ from kvferry.connector import protocol as P
 from kvferry.connector.config import KvferryConfig
 from kvferry.connector.layout import KVLayout
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.sidechannel import SideChannelError, SideChannelServer, fetch_peer
+from kvferry.connector.peers import Peers
+from kvferry.connector.sidechannel import SideChannelServer
 from kvferry.connector.transport import NixlTransport, TransportError, WritePlan
 from kvferry.connector.wire import (
     Cancel,
@@ -35,7 +35,6 @@ from kvferry.connector.wire import (
     WireError,
     decode,
     encode,
-    layout_from_wire,
     layout_to_wire,
 )
 
@@ -114,11 +113,7 @@ class Endpoint:
         self._results, self._results_cv = Results(), threading.Condition()
         self._startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"kvferry-{role}-{tp_rank}", daemon=True)
-        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kvferry-fetch")  # TCP only, never NIXL
-        self._fetches: dict[
-            tuple[str, int], tuple[Future[PeerInfo], list[Callable[[str | None, str], None]]]
-        ] = {}
-        self._peers: dict[tuple[str, int], tuple[str, str]] = {}  # (host, port) -> (incarnation, agent)
+        self.peers = Peers(cfg, self.metrics, self._wake.set)
         self._writes: list[_Write] = []
         self._last_pending: dict[str, int] = {}
         self.recent: deque[WriteRecord] = deque(maxlen=256)  # appended by the thread; read after the fact
@@ -139,7 +134,7 @@ class Endpoint:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout_s)
-        self._fetcher.shutdown(wait=False, cancel_futures=True)
+        self.peers.close()
 
     @property
     def side_port(self) -> int:
@@ -252,7 +247,7 @@ class Endpoint:
             self.transport.close()
 
     def _busy(self) -> bool:
-        return bool(self._writes or self._fetches or (self.consumer and self.consumer.expected))
+        return bool(self._writes or self.peers.fetching or (self.consumer and self.consumer.expected))
 
     def _round(self) -> bool:
         now = time.monotonic()
@@ -265,12 +260,12 @@ class Endpoint:
         active = bool(actions)
         actions += self._read_notifs(now)
         actions += self._check_writes(now)
-        active |= self._finish_fetches()
+        active |= self.peers.finish(self.transport)
         core = self.producer or self.consumer
         actions += core.tick(now)
         for action in actions:
             self._do(action, now)
-        pending = {**core.pending(), "handshakes": len(self._fetches)}
+        pending = {**core.pending(), "handshakes": self.peers.fetching}
         if pending != self._last_pending:  # journal changes only: rounds run hundreds of times a second
             for kind, n in pending.items():
                 self.metrics.record("pending", n, self.role, kind, str(self.tp_rank))
@@ -340,7 +335,7 @@ class Endpoint:
         if isinstance(action, P.StartWrite):
             self.metrics.record("reg_to_match", action.registration_to_match_s)
             reg = action.reg
-            self._with_peer(
+            self.peers.with_peer(
                 reg.consumer_host,
                 reg.consumer_port,
                 reg.consumer_engine,
@@ -351,7 +346,7 @@ class Endpoint:
             reg = action.reg
             msg = encode(Failure(reg.request_id, reg.attempt, self.engine_id, self.tp_rank, action.reason))
             self.metrics.record("failures", 1, self.role, action.reason)
-            self._with_peer(
+            self.peers.with_peer(
                 reg.consumer_host,
                 reg.consumer_port,
                 reg.consumer_engine,
@@ -433,7 +428,7 @@ class Endpoint:
                     fail = Failure(action.key[0], action.key[1], engine, rank, "handshake_failed")
                     self._feed(self.consumer.notice(fail, time.monotonic()), time.monotonic())
 
-            self._with_peer(host, port + rank, engine, None, sent)
+            self.peers.with_peer(host, port + rank, engine, None, sent)
 
     def _send(self, agent: str | None, payload: bytes, err: str) -> bool:
         if agent is None:
@@ -444,64 +439,9 @@ class Endpoint:
             return True
         except Exception as exc:  # a dead or replaced peer: forget it so the next use refetches
             log.warning("kvferry: notification to %s failed: %s", agent, exc)
-            self._peers = {k: v for k, v in self._peers.items() if v[1] != agent}
+            self.peers.forget(agent)
             return False
 
     def _feed(self, actions: list[P.Action], now: float) -> None:
         for action in actions:
             self._do(action, now)
-
-    # ---- peers: fetched on the fetch thread, loaded into NIXL here ----
-    def _with_peer(
-        self,
-        host: str,
-        port: int,
-        engine: str | None,
-        incarnation: str | None,
-        then: Callable[[str | None, str], None],
-    ) -> None:
-        cached = self._peers.get((host, port))
-        if cached and (incarnation is None or cached[0] == incarnation):
-            then(cached[1], "")
-            return
-        if (host, port) in self._fetches:
-            self._fetches[(host, port)][1].append(then)
-            return
-        future = self._fetcher.submit(self._fetch, host, port, engine)
-        future.add_done_callback(lambda _: self._wake.set())
-        self._fetches[(host, port)] = (future, [then])
-
-    def _fetch(self, host: str, port: int, engine: str | None) -> PeerInfo:
-        delay, last = 0.05, None
-        for _ in range(self.cfg.handshake_attempts):
-            try:
-                info = fetch_peer(host, port, self.cfg.handshake_timeout_s)
-            except SideChannelError as exc:
-                last = exc
-                time.sleep(delay)
-                delay *= 4
-                continue
-            if engine is not None and info.engine_id != engine:
-                raise SideChannelError(
-                    f"side channel {host}:{port} is engine {info.engine_id!r}, expected {engine!r}"
-                )
-            return info
-        raise SideChannelError(f"{last} (after {self.cfg.handshake_attempts} attempts)")
-
-    def _finish_fetches(self) -> bool:
-        done = [addr for addr, (future, _) in self._fetches.items() if future.done()]
-        for addr in done:
-            future, waiters = self._fetches.pop(addr)
-            agent, err = None, ""
-            try:
-                info = future.result()
-                agent = self.transport.load_peer(info.agent_metadata, layout_from_wire(info.layout))
-                self._peers[addr] = (info.incarnation, agent)
-                self.metrics.record("handshakes", 1, "ok")
-            except Exception as exc:  # any failure fails the waiting transfers, never the thread
-                err = str(exc)
-                self.metrics.record("handshakes", 1, "failed")
-                log.warning("kvferry: peer %s:%d unavailable: %s", *addr, err)
-            for then in waiters:
-                then(agent, err)
-        return bool(done)

