@@ -1,0 +1,81 @@
+"""vLLM launch: the server module instead of the `vllm` CLI, per-process core binding, bounded KV
+space, offline hub, kv-transfer config per role and connector, and clear errors for bad specs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from kvferry.connector.serve import ServerSpec, command, kv_transfer_config, parse_cores, server_env
+from kvferry.connector.upstream_patches import ENV_NO_PROGRESS_THREAD
+from kvferry.local.tinymodel import recipe, recipe_hash
+
+
+def spec(**kw: object) -> ServerSpec:
+    base: dict[str, object] = {
+        "model": Path("/m"),
+        "port": 8100,
+        "role": "prefill",
+        "connector": "NixlPushConnector",
+        "engine_id": "prefill-0",
+        "side_port": 5600,
+        "cores": "0",
+    }
+    return ServerSpec(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_command_starts_the_server_module_on_loopback() -> None:
+    cmd = command(spec(block_size=64), python="py")
+    assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--block-size") + 1] == "64"
+    config = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert config == {
+        "kv_connector": "NixlPushConnector",
+        "kv_role": "kv_producer",
+        "kv_buffer_device": "cpu",
+        "engine_id": "prefill-0",
+    }
+    assert "--kv-transfer-config" not in command(ServerSpec(model=Path("/m"), port=1), python="py")
+
+
+def test_kvferry_connector_gets_module_path_and_side_channel() -> None:
+    config = kv_transfer_config(spec(role="decode", connector="KvferryConnector", engine_id="decode-0"))
+    assert config is not None and config["kv_role"] == "kv_consumer"
+    assert config["kv_connector_module_path"] == "kvferry.connector"
+    assert config["kv_connector_extra_config"] == {
+        "side_channel_host": "127.0.0.1",
+        "side_channel_port": 5600,
+    }
+
+
+def test_env_binds_cores_bounds_kv_and_stays_offline() -> None:
+    env = server_env(
+        spec(cores="1", kv_cache_gib=2, no_progress_thread=True), base={ENV_NO_PROGRESS_THREAD: "0"}
+    )
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+    assert env[ENV_NO_PROGRESS_THREAD] == "1"
+    assert ENV_NO_PROGRESS_THREAD not in server_env(spec(), base={ENV_NO_PROGRESS_THREAD: "1"})
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"role": "router"}, "role 'router' is not one of"),
+        ({"connector": None}, "a connector is needed exactly when"),
+        ({"connector": "LMCache"}, "unknown connector 'LMCache'"),
+        ({"side_port": None}, "needs engine_id and side_port"),
+    ],
+)
+def test_bad_specs_fail_clearly(kw: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        spec(**kw)
+
+
+def test_core_lists_and_model_recipes() -> None:
+    assert parse_cores("0") == {0} and parse_cores("0-2,5") == {0, 1, 2, 5}
+    assert recipe_hash("llama") != recipe_hash("qwen")
+    assert recipe("qwen")["config"]["architectures"] == ["Qwen2ForCausalLM"]
+    with pytest.raises(ValueError, match="unknown arch 'gpt'"):
+        recipe("gpt")
