@@ -79,3 +79,23 @@ def test_core_lists_and_model_recipes() -> None:
     assert recipe("qwen")["config"]["architectures"] == ["Qwen2ForCausalLM"]
     with pytest.raises(ValueError, match="unknown arch 'gpt'"):
         recipe("gpt")
+
+
+def test_cli_execs_the_server_module_with_model_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvferry.connector import serve
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(serve.os, "execvpe", lambda *args: calls.append(args))
+    serve.main(["--cores", "1", "--no-progress-thread", "--", "/models/tiny", "--port", "8100"])
+    _, argv, env = calls[0]
+    assert argv[1:] == [
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/models/tiny",
+        "--port",
+        "8100",
+    ]
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and env[ENV_NO_PROGRESS_THREAD] == "1"
+    with pytest.raises(SystemExit):
+        serve.main(["--cores", "auto", "--", "/models/tiny"])
