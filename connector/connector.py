@@ -110,7 +110,9 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         return self.work.get_transfer_results()
 
     def get_kv_connector_stats(self) -> KvferryStats | None:
-        journal = self.work.take_journal()
+        if self._worker is None:  # vLLM also asks the scheduler-side instance; its stats come from workers
+            return None
+        journal = self._worker.take_journal()
         return KvferryStats(data={"journal": journal}) if journal else None
 
     def shutdown(self) -> None:
