@@ -8,6 +8,7 @@ classes. Every call has a timeout; watches end after `timeout_seconds` and are r
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,22 @@ class KubeError(RuntimeError):
         self.status = status
 
 
+def _tls_context(cfg: k8s_client.Configuration) -> ssl.SSLContext | bool:
+    """The server CA and, for certificate users, the client key pair, as one SSL context."""
+    if not cfg.verify_ssl and not cfg.cert_file:
+        return False
+    ctx = (
+        ssl.create_default_context(cafile=cfg.ssl_ca_cert)
+        if cfg.ssl_ca_cert
+        else ssl.create_default_context()
+    )
+    if not cfg.verify_ssl:
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    if cfg.cert_file:
+        ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+    return ctx
+
+
 class Kube:
     """A small JSON client for one apiserver, built from a kubeconfig file."""
 
@@ -38,10 +55,8 @@ class Kube:
         token = (cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken")
         if token:
             headers["Authorization"] = token if token.startswith("Bearer ") else f"Bearer {token}"
-        cert = (cfg.cert_file, cfg.key_file) if cfg.cert_file else None
-        verify: Any = cfg.ssl_ca_cert if (cfg.verify_ssl and cfg.ssl_ca_cert) else cfg.verify_ssl
         self._http = httpx.Client(
-            base_url=self.server, headers=headers, cert=cert, verify=verify, timeout=REQUEST_TIMEOUT_S
+            base_url=self.server, headers=headers, verify=_tls_context(cfg), timeout=REQUEST_TIMEOUT_S
         )
 
     def close(self) -> None:
