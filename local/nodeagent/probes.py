@@ -65,6 +65,7 @@ class ProbeState:
 
     probe: dict[str, Any] | None
     default: bool  # the result when the container has no such probe
+    initial: bool = False  # the result before failureThreshold is reached (liveness: True)
     started_at: float = field(default_factory=time.monotonic)
     next_at: float = 0.0
     successes: int = 0
@@ -72,7 +73,7 @@ class ProbeState:
     result: bool | None = None
 
     def __post_init__(self) -> None:
-        self.result = self.default if self.probe is None else False
+        self.result = self.default if self.probe is None else self.initial
         if self.probe is not None:
             self.next_at = self.started_at + float(self.probe.get("initialDelaySeconds", 0))
 

@@ -101,7 +101,8 @@ class ContainerRunner:
         self.started_at = now_iso()
         self.startup = ProbeState(self.spec.get("startupProbe"), True)
         self.readiness = ProbeState(self.spec.get("readinessProbe"), True)
-        self.liveness = ProbeState(self.spec.get("livenessProbe"), True)
+        # A container is alive until its liveness probe fails failureThreshold times in a row.
+        self.liveness = ProbeState(self.spec.get("livenessProbe"), True, initial=True)
 
     def pre_stop(self, budget_s: float) -> None:
         """Run the container's preStop hook (sleep or exec), bounded by `budget_s`."""
