@@ -78,6 +78,12 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             selfmetrics.serve(cfg.metrics_port, cfg.metrics_host)
         memo.fetch = scrape.http_fetcher(cfg.metrics_timeout)
 
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # A private registry gets none of kopf's default login handlers: use the kubernetes client's
+        # credential loading (in-cluster token, else KUBECONFIG), like the Kube client does.
+        return kopf.login_via_client(**kwargs)
+
     @kopf.on.cleanup(registry=registry)
     def close(memo: kopf.Memo, **_: Any) -> None:
         memo.kube.close()

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import pytest
 import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from kvferry.local.controlplane.processes import reserve_ports
 from kvferry.operator import names, rbac
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 
@@ -27,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_NAMESPACE = "kvferry-system"
 OPERATOR_SA = "kvferry-operator"
 OPERATOR_START_TIMEOUT_S = 60.0
-WAIT_S = 60.0  # default bound for every wait in these tests
+WAIT_S = 60.0
+# kopf's APIForbiddenError, our KubeError "HTTP 403: ...", the API server's "... is forbidden: ..."
+FORBIDDEN = re.compile(r"Forbidden|forbidden|HTTP 403|\b403 ")  # default bound for every wait in these tests
 
 
 def wait_until(pred: Callable[[], Any], what: str, timeout_s: float = WAIT_S, interval_s: float = 0.2) -> Any:
@@ -82,7 +87,19 @@ class OperatorProcess:
         exe = shutil.which("kvferry")
         assert exe, "kvferry console script not on PATH (source scripts/env.sh)"
         self.log = log
-        argv = [exe, "operator", "--standalone", "-n", namespace, "--kubeconfig", str(kubeconfig), *args]
+        self.liveness = f"127.0.0.1:{reserve_ports(1)[0]}"
+        argv = [
+            exe,
+            "operator",
+            "--standalone",
+            "-n",
+            namespace,
+            "--kubeconfig",
+            str(kubeconfig),
+            "--liveness",
+            self.liveness,
+            *args,
+        ]
         self._out = log.open("ab")
         self.proc = subprocess.Popen(
             argv, stdout=self._out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
@@ -92,17 +109,20 @@ class OperatorProcess:
         return self.log.read_text(errors="replace")
 
     def wait_started(self) -> None:
-        wait_until(
-            lambda: (
-                self.proc.poll() is not None
-                or "Handling" in self.text()
-                or "Resuming" in self.text()
-                or "Starting the main" in self.text()
-                or "Watching" in self.text()
-            ),
-            "operator start",
-            OPERATOR_START_TIMEOUT_S,
-        )
+        """Wait for kopf's liveness endpoint (it answers once the operator has started)."""
+
+        def alive() -> bool:
+            if self.proc.poll() is not None:
+                return True
+            try:
+                return urllib.request.urlopen(f"http://{self.liveness}/healthz", timeout=2).status == 200
+            except OSError:
+                return False
+
+        try:
+            wait_until(alive, "operator liveness", OPERATOR_START_TIMEOUT_S)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.text()[-3000:]}") from None
         assert self.proc.poll() is None, f"operator exited:\n{self.text()[-3000:]}"
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
@@ -213,8 +233,15 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(control_plane, admin_api, namespace) -> Cluster:
-    return Cluster(control_plane, admin_api, namespace)
+def cluster(control_plane, admin_api, namespace) -> Iterator[Cluster]:
+    yield Cluster(control_plane, admin_api, namespace)
+    # Engine pods have long grace periods (model drain) which kwok honours: remove the workloads, then
+    # their pods without grace, so the namespace goes at once and the suite stays short.
+    for args in (
+        ("delete", "disaggregatedinferences,statefulsets,deployments", "--all", "--wait=false"),
+        ("delete", "pods", "--all", "--grace-period=0", "--force", "--wait=false"),
+    ):
+        control_plane.kubectl("-n", namespace, *args, check=False)
 
 
 EXPECTED_KINDS = {
