@@ -120,7 +120,7 @@ class PdStack:
             "discovery": {"static": {"prefill": [entry(self.prefill)], "decode": [entry(self.decode)]}},
         }
 
-    def start(self, ready_timeout_s: float = 420.0) -> PdStack:
+    def start(self, ready_timeout_s: float = 600.0) -> PdStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
             self.prefill = self._server("prefill", "0", self.prefill_block_size).start()

@@ -121,6 +121,7 @@ def launch_env(
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
         PYTHONUNBUFFERED="1",  # logs reach the file as they happen, not at exit
+        VLLM_HOST_IP="127.0.0.1",  # vLLM's internal sockets stay on loopback too
     )
     if no_progress_thread:
         env[ENV_NO_PROGRESS_THREAD] = "1"
@@ -194,7 +195,7 @@ class VllmProcess:
         )
         return self
 
-    def wait_ready(self, timeout_s: float = 240.0) -> VllmProcess:
+    def wait_ready(self, timeout_s: float = 600.0) -> VllmProcess:
         """Poll /health until 200; raise with the log tail if the process dies or time runs out."""
         assert self.proc is not None, "start() first"
         deadline = time.monotonic() + timeout_s
