@@ -107,12 +107,15 @@ def namespace(admin_api, request: pytest.FixtureRequest) -> Iterator[str]:
         yield name
     finally:
         core.delete_namespace(name)
-        # Wait so the next test gets the nodes' resources back; a stuck finalizer only warns.
-        if not _wait(
-            lambda: not _exists(core.read_namespace, name), NAMESPACE_DELETE_TIMEOUT_S, strict=False
-        ):
+
+        # Wait for its pods to go so the next test gets the nodes' resources back (the namespace itself
+        # may finish terminating later); a stuck finalizer only warns.
+        def no_pods() -> bool:
+            return not core.list_namespaced_pod(name).items
+
+        if not _wait(no_pods, NAMESPACE_DELETE_TIMEOUT_S, strict=False):
             warnings.warn(
-                f"namespace {name} still terminating after {NAMESPACE_DELETE_TIMEOUT_S} s", stacklevel=1
+                f"pods in namespace {name} still there after {NAMESPACE_DELETE_TIMEOUT_S} s", stacklevel=1
             )
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 
 from kubernetes import client
+from kubernetes.client.rest import ApiException
 from kvferry.local.controlplane import ControlPlane, nodes
 from kvferry.local.controlplane.components import POD_CIDR
 from kvferry.local.controlplane.processes import wait_until
@@ -98,10 +100,12 @@ def test_neuron_pod_lands_on_trn2_and_untolerated_pod_stays_pending(admin_api, n
     pod = core.read_namespaced_pod("no-toleration", namespace)
     assert pod.spec.node_name is None and pod.status.phase == "Pending"
     message = next(c.message for c in pod.status.conditions if c.type == "PodScheduled")
-    assert nodes.NEURON in message  # the scheduler names the untolerated taint
+    assert "untolerated taint" in message
 
 
-def test_node_without_kwok_annotation_is_left_to_another_agent(control_plane: ControlPlane, admin_api):
+def test_node_without_kwok_annotation_is_left_to_another_agent(
+    control_plane: ControlPlane, admin_api, namespace
+):
     core = client.CoreV1Api(admin_api)
     managed, agent = nodes.manifest(nodes.CPU, 8, kwok=True), nodes.manifest(nodes.CPU, 9, kwok=False)
     names = [managed["metadata"]["name"], agent["metadata"]["name"]]
@@ -109,11 +113,21 @@ def test_node_without_kwok_annotation_is_left_to_another_agent(control_plane: Co
         for body in (managed, agent):
             core.create_node(body)
         control_plane.wait_nodes_ready([names[0]], 60)
+        # Bind one pod to each node directly (no scheduler): only the kwok-run node's pod may start.
+        for node in names:
+            spec = client.V1PodSpec(node_name=node, containers=[_container({"cpu": "1"})])
+            core.create_namespaced_pod(
+                namespace, client.V1Pod(metadata=client.V1ObjectMeta(name=node), spec=spec)
+            )
+        wait_until(
+            "pod on the kwok node Ready", lambda: _ready(core.read_namespaced_pod(names[0], namespace)), 60
+        )
+        left = core.read_namespaced_pod(names[1], namespace)
+        assert left.status.phase == "Pending" and not left.status.pod_ip
         conds = {c.type: c.status for c in core.read_node(names[1]).status.conditions or []}
         assert conds.get("Ready") != "True"
-        taints = {t.key for t in core.read_node(names[1]).spec.taints or []}
-        # TaintNodesByCondition put not-ready on it; the lifecycle controller may swap in unreachable.
-        assert taints & {"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"}
     finally:
-        for name in names:
+        for name in names:  # no kubelet on the agent node confirms deletion: force it, as for a lost node
+            with contextlib.suppress(ApiException):  # absent if the test failed before creating it
+                core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
             core.delete_node(name)
