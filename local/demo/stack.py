@@ -47,9 +47,15 @@ def demo_cr(name: str, namespace: str, model: Path, prefill: int = 1, decode: in
             "model": str(model),
             "servedModelName": "tiny",
             "accelerator": "cpu",
-            # float32: the tiny model's own dtype (auto would downcast to bf16); eager: no torch.compile,
+            # float32: the tiny model's own dtype (auto would downcast to bf16); block size 128: vLLM-CPU's
+            # attention needs a multiple of 32 (the default 16 fails at start); eager: no torch.compile,
             # which costs a minute per server start on two busy cores.
-            "vllm": {"dtype": "float32", "maxModelLen": 2048, "extraArgs": ["--enforce-eager"]},
+            "vllm": {
+                "dtype": "float32",
+                "blockSize": 128,
+                "maxModelLen": 2048,
+                "extraArgs": ["--enforce-eager"],
+            },
             "prefill": {"replicas": prefill},
             "decode": {"replicas": decode},
         },
