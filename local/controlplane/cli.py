@@ -58,7 +58,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
             return 1
     t0 = time.monotonic()
     plane = ControlPlane(parse_counts(args.nodes), kwok_cpu=not args.cpu_agent).start(workdir)
-    print(f"# control plane up in {time.monotonic() - t0:.1f} s at {plane.server}", file=sys.stderr)
+    took = time.monotonic() - t0
+    print(
+        f"# control plane up in {took:.1f} s at {plane.server} (cumulative: {plane.timings})", file=sys.stderr
+    )
     _print_env(plane)
     if args.foreground:
         print("# Ctrl-C stops it", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ class ControlPlane:
         self.procs: dict[str, Proc] = {}
         self._certs: certs.PlaneCerts | None = None
         self._rest: Rest | None = None
+        self.timings: dict[str, float] = {}  # seconds from start() to each milestone
 
     # --- paths and identities -------------------------------------------------------------------
 
@@ -86,7 +88,11 @@ class ControlPlane:
         return self
 
     def _start(self, timeout_s: float) -> None:
-        d = self._dir()
+        d, t0 = self._dir(), time.monotonic()
+
+        def mark(step: str) -> None:
+            self.timings[step] = round(time.monotonic() - t0, 1)
+
         self._certs = certs.generate(d / "pki")
         self.ports = ports = components.Ports.from_list(reserve_ports(5))
         kc = self._write_kubeconfigs()
@@ -96,8 +102,10 @@ class ControlPlane:
         etcd = self._spawn("etcd", components.etcd(ports, d / "etcd"), logs)
         etcd_health = f"http://127.0.0.1:{ports.etcd_client}/health"
         wait_for("etcd /health", lambda: '"health":"true"' in probe(etcd_health), timeout_s, [etcd])
+        mark("etcd")
         api = self._spawn("kube-apiserver", components.apiserver(ports, self._certs, d / "apiserver"), logs)
         wait_for("kube-apiserver /readyz", lambda: self._api().get("/readyz") == "ok", timeout_s, [etcd, api])
+        mark("apiserver")
         argv = components.controller_manager(ports, self._certs, kc["controller-manager"], d / "kcm")
         self._spawn("kube-controller-manager", argv, logs)
         self._spawn("kube-scheduler", components.scheduler(ports, kc["scheduler"], d / "scheduler"), logs)
@@ -109,9 +117,12 @@ class ControlPlane:
         wait_for(
             "ServiceAccount default/default (controller-manager)", self._default_sa_exists, timeout_s, watch
         )
+        mark("controller-manager")
         sched = f"https://127.0.0.1:{ports.scheduler}/healthz"
         wait_for("kube-scheduler /healthz", lambda: probe(sched, insecure=True) == "ok", timeout_s, watch)
+        mark("scheduler")
         self.wait_nodes_ready([n for n in names if self._kwok_managed(n)], timeout_s)
+        mark("nodes")
 
     def stop(self) -> None:
         """Stop every component, newest first, by PID. Safe to call twice or after a failed start."""

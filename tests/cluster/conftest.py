@@ -22,7 +22,7 @@ from kvferry.local.controlplane.kubeconfig import read_server_and_ca
 NAMESPACE_READY_TIMEOUT_S = 30.0
 NAMESPACE_DELETE_TIMEOUT_S = 60.0
 _HERE = Path(__file__).parent
-_STARTED_IN: list[float] = []
+_STARTED_IN: list[tuple[float, dict[str, float]]] = []
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -33,7 +33,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     if _STARTED_IN:
-        terminalreporter.write_line(f"kvferry control plane: started in {_STARTED_IN[0]:.1f} s")
+        total, phases = _STARTED_IN[0]
+        terminalreporter.write_line(f"kvferry control plane: started in {total:.1f} s (cumulative: {phases})")
 
 
 def check_kubeconfig(plane: ControlPlane, path: Path) -> None:
@@ -49,7 +50,7 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
     t0 = time.monotonic()
     try:
         plane.start(tmp_path_factory.mktemp("controlplane"))
-        _STARTED_IN.append(time.monotonic() - t0)
+        _STARTED_IN.append((time.monotonic() - t0, plane.timings))
         yield plane
     finally:
         plane.stop()
