@@ -97,14 +97,37 @@ def watch(stack: Stack, console: Console, namespace: str, name: str, url: str, d
     hint = "Ctrl-C tears everything down" + (f"; stopping after {duration_s:.0f} s" if duration_s else "")
     end = time.monotonic() + duration_s if duration_s else float("inf")
     try:
-        with Live(console=console, refresh_per_second=2) as live:
-            while time.monotonic() < end:
-                pods = stack.pods(namespace, f"kvferry.io/name={name}")
-                live.update(display.view(stack.kubectl_get(namespace), pods, url, stream.snapshot(), hint))
-                time.sleep(REFRESH_S)
+        if console.is_terminal:
+            with Live(console=console, refresh_per_second=2) as live:
+                while time.monotonic() < end:
+                    pods = stack.pods(namespace, f"kvferry.io/name={name}")
+                    live.update(
+                        display.view(stack.kubectl_get(namespace), pods, url, stream.snapshot(), hint)
+                    )
+                    time.sleep(REFRESH_S)
+        else:
+            _log_changes(stack, console, namespace, stream, end)
     finally:
         stream.stop()
     console.print(stack.kubectl_get(namespace))
+    c = stream.snapshot()
+    console.print(f"client: sent {c.sent}, ok {c.ok}, failed {c.failed}")
+
+
+def _log_changes(stack: Stack, console: Console, namespace: str, stream: RequestStream, end: float) -> None:
+    """Without a terminal (CI logs): print the `kubectl get` row each time it changes."""
+    last = ""
+    console.print(f"time     {stack.kubectl_get(namespace).splitlines()[0]}", soft_wrap=True)
+    while time.monotonic() < end:
+        rows = stack.kubectl_get(namespace).splitlines()
+        row = rows[-1] if rows else ""
+        if row != last:
+            c = stream.snapshot()
+            console.print(
+                f"{time.strftime('%H:%M:%S')} {row}   [client ok {c.ok} failed {c.failed}]", soft_wrap=True
+            )
+            last = row
+        time.sleep(REFRESH_S)
 
 
 def main(argv: list[str] | None = None) -> int:
