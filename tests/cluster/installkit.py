@@ -97,6 +97,16 @@ def reconciled(plane: ControlPlane, namespace: str, name: str) -> dict[str, Any]
     return cr if {f"{name}-prefill", f"{name}-decode"} <= names else None
 
 
+def wait_reconciled(
+    plane: ControlPlane, namespace: str, name: str, operator: OperatorProcess
+) -> dict[str, Any]:
+    """Wait for `reconciled`; on timeout the error carries the operator's log tail."""
+    try:
+        return wait_for(f"{name} reconciled", lambda: reconciled(plane, namespace, name), RECONCILE_TIMEOUT_S)
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}\n--- operator log tail ---\n{operator.text()[-4000:]}") from None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

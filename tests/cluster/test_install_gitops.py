@@ -20,9 +20,9 @@ from tests.cluster.installkit import (
     get_json,
     helm_install,
     operator_as_chart_sa,
-    reconciled,
     unique,
     wait_for,
+    wait_reconciled,
 )
 
 
@@ -67,7 +67,7 @@ def test_client_side_apply_twice_changes_nothing(
 ) -> None:
     doc = example("cpu-tiny.yaml", name="csa")
     assert apply_yaml(control_plane, gitops_ns, doc).endswith("created")
-    first = wait_for("reconciled", lambda: reconciled(control_plane, gitops_ns, "csa"), RECONCILE_TIMEOUT_S)
+    first = wait_reconciled(control_plane, gitops_ns, "csa", operator)
     sts = sts_generations(control_plane, gitops_ns, "csa")
     assert apply_yaml(control_plane, gitops_ns, doc).endswith("unchanged")
     again = cr(control_plane, gitops_ns, "csa")
@@ -82,7 +82,7 @@ def test_server_side_apply_twice_changes_nothing(
     doc = example("cpu-tiny.yaml", name="ssa")
     flags = ("--server-side", "--field-manager=argocd-controller")
     apply_yaml(control_plane, gitops_ns, doc, *flags)
-    first = wait_for("reconciled", lambda: reconciled(control_plane, gitops_ns, "ssa"), RECONCILE_TIMEOUT_S)
+    first = wait_reconciled(control_plane, gitops_ns, "ssa", operator)
     sts = sts_generations(control_plane, gitops_ns, "ssa")
     apply_yaml(control_plane, gitops_ns, doc, *flags)
     again = cr(control_plane, gitops_ns, "ssa")
@@ -99,7 +99,7 @@ def test_the_operator_never_writes_the_spec(
 ) -> None:
     doc = example("cpu-tiny.yaml", name="owned")
     apply_yaml(control_plane, gitops_ns, doc, "--server-side", "--field-manager=flux")
-    wait_for("reconciled", lambda: reconciled(control_plane, gitops_ns, "owned"), RECONCILE_TIMEOUT_S)
+    wait_reconciled(control_plane, gitops_ns, "owned", operator)
     entries = cr(control_plane, gitops_ns, "owned")["metadata"]["managedFields"]
     others = [m for m in entries if m["manager"] != "flux"]
     assert others, "the operator wrote nothing (no status?)"
@@ -114,15 +114,13 @@ def test_replicas_owned_by_an_autoscaler_are_left_alone(
     doc = example("cpu-tiny.yaml", name="hpa")
     doc["spec"]["decode"] = {"replicas": 1, "replicasOwner": "autoscaler"}
     apply_yaml(control_plane, gitops_ns, doc, "--server-side", "--field-manager=argocd-controller")
-    wait_for("reconciled", lambda: reconciled(control_plane, gitops_ns, "hpa"), RECONCILE_TIMEOUT_S)
+    wait_reconciled(control_plane, gitops_ns, "hpa", operator)
     # What an HPA does: write the scale subresource of the StatefulSet.
     control_plane.kubectl("scale", "statefulset", "hpa-decode", "--replicas=3", "-n", gitops_ns)
     # A Git change elsewhere in the spec makes the operator apply everything again.
     doc["spec"]["router"] = {"replicas": 2}
     apply_yaml(control_plane, gitops_ns, doc, "--server-side", "--field-manager=argocd-controller")
-    wait_for(
-        "generation 2 reconciled", lambda: reconciled(control_plane, gitops_ns, "hpa"), RECONCILE_TIMEOUT_S
-    )
+    wait_reconciled(control_plane, gitops_ns, "hpa", operator)
     wait_for(
         "router scaled to 2 (the operator applied generation 2)",
         lambda: get_json(control_plane, "deployment", "hpa-router", "-n", gitops_ns)["spec"]["replicas"] == 2,

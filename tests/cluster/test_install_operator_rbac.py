@@ -19,9 +19,9 @@ from tests.cluster.installkit import (
     get_json,
     helm_install,
     operator_as_chart_sa,
-    reconciled,
     unique,
     wait_for,
+    wait_reconciled,
 )
 
 # Everything the operator renders for one CR (operator/templates), by kind.
@@ -36,9 +36,7 @@ def test_chart_service_account_reconciles_without_a_single_403(
     helm_install(control_plane, release, namespace, f"operator.watch.scope={scope}")
     with operator_as_chart_sa(control_plane, namespace, release, tmp_path / "operator.log") as operator:
         apply_yaml(control_plane, namespace, example("cpu-tiny.yaml"))
-        cr = wait_for(
-            "CR reconciled", lambda: reconciled(control_plane, namespace, "tiny"), RECONCILE_TIMEOUT_S
-        )
+        cr = wait_reconciled(control_plane, namespace, "tiny", operator)
 
         def children_and_status() -> bool:
             current = get_json(control_plane, "disaggregatedinference", "tiny", "-n", namespace)

@@ -13,9 +13,9 @@ from tests.cluster.installkit import (
     get_json,
     helm_install,
     operator_as_chart_sa,
-    reconciled,
     unique,
     wait_for,
+    wait_reconciled,
 )
 
 
@@ -31,7 +31,7 @@ def test_upgrading_the_operator_does_not_roll_the_engines(
     helm_install(control_plane, release, namespace, "operator.image.tag=0.1.0")
     with operator_as_chart_sa(control_plane, namespace, release, tmp_path / "old.log") as old:
         apply_yaml(control_plane, namespace, example("cpu-tiny.yaml"))
-        wait_for("reconciled", lambda: reconciled(control_plane, namespace, "tiny"), RECONCILE_TIMEOUT_S)
+        wait_reconciled(control_plane, namespace, "tiny", old)
         wait_for("router Deployment", lambda: router_image(control_plane, namespace), RECONCILE_TIMEOUT_S)
     assert old.forbidden_lines() == []
     before = {

@@ -80,15 +80,14 @@ def test_operator_pod_is_locked_down() -> None:
 
 def test_cluster_scope_watches_all_namespaces_through_one_cluster_role() -> None:
     docs = render()
-    assert "KVFERRY_NAMESPACES" not in {e["name"] for e in operator_container(docs)["env"]}
+    assert operator_container(docs)["args"] == ["--all-namespaces"]
     (cluster_role,) = by_kind(docs, "ClusterRole")
     assert {"disaggregatedinferences", "statefulsets"} <= resources_granted(cluster_role)
 
 
 def test_namespaced_scope_grants_workload_access_only_in_the_watched_namespaces() -> None:
     docs = render("operator.watch.scope=namespaces", "operator.watch.namespaces={team-a,team-b}")
-    env = {e["name"]: e.get("value") for e in operator_container(docs)["env"]}
-    assert env["KVFERRY_NAMESPACES"] == "team-a,team-b"
+    assert operator_container(docs)["args"] == ["--namespace=team-a", "--namespace=team-b"]
     roles = {
         r["metadata"]["namespace"]: r for r in by_kind(docs, "Role") if r["metadata"]["name"] == "kvferry"
     }
@@ -101,8 +100,7 @@ def test_namespaced_scope_grants_workload_access_only_in_the_watched_namespaces(
 
 def test_namespaced_scope_defaults_to_the_release_namespace() -> None:
     docs = render("operator.watch.scope=namespaces", namespace="inference")
-    env = {e["name"]: e.get("value") for e in operator_container(docs)["env"]}
-    assert env["KVFERRY_NAMESPACES"] == "inference"
+    assert operator_container(docs)["args"] == ["--namespace=inference"]
 
 
 def test_crds_are_kept_on_uninstall_by_default_and_can_be_left_out() -> None:
