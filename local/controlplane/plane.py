@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ STATE_FILE = "plane.json"
 ADMIN_KUBECONFIG = "admin.kubeconfig"
 START_TIMEOUT_S = 120.0  # per wait; a warm start takes ~10-20 s on a busy 2-core machine
 NODE_READY_TIMEOUT_S = 60.0
+START_ATTEMPTS = 2  # a second try only after a port taken between choosing and binding it
 
 
 class ControlPlane:
@@ -80,12 +82,20 @@ class ControlPlane:
         build.ensure_built()
         self.workdir = Path(workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
-        try:
-            self._start(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self._start(timeout_s)
+                return self
+            except ControlPlaneError as e:
+                self.stop()
+                # Ports are free when chosen but another session may bind one first: retry with new ones.
+                if "address already in use" not in str(e) or attempt == START_ATTEMPTS:
+                    raise
+                shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
     def _start(self, timeout_s: float) -> None:
         d, t0 = self._dir(), time.monotonic()
