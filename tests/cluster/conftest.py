@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from kvferry.local.controlplane import ControlPlane, ControlPlaneError
+from kvferry.local.controlplane import ControlPlane, ControlPlaneError, build
 from kvferry.local.controlplane.kubeconfig import read_server_and_ca
 
 NAMESPACE_READY_TIMEOUT_S = 30.0
@@ -25,10 +25,20 @@ _HERE = Path(__file__).parent
 _STARTED_IN: list[tuple[float, dict[str, float]]] = []
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selection reads the markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _HERE in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.cluster)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """If a cluster test runs, build the binaries (tens of minutes cold) here, outside any test timeout."""
+    if not any(item.get_closest_marker("cluster") for item in session.items):
+        return
+    capture = session.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():  # show the build's progress lines
+        build.ensure_built()
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
