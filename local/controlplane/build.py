@@ -15,11 +15,13 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from kvferry.local.controlplane import versions
 
@@ -33,6 +35,9 @@ KWOK_STAGE_FILES = (  # v0.8.0 has no built-in stages: pass these as --config
     "pod/fast/pod-complete.yaml",
     "pod/fast/pod-delete.yaml",
 )
+
+
+_progress: TextIO = sys.stdout  # where progress lines go; ensure_built(out=...) sets it
 
 
 class BuildError(RuntimeError):
@@ -119,25 +124,23 @@ def _run(cmd: list[str], cwd: Path, log: Path, what: str) -> str:
         proc = subprocess.Popen(
             cmd, cwd=cwd, env=_go_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
+        watchdog = threading.Timer(BUILD_STEP_TIMEOUT_S, proc.kill)  # go may hang silently (network)
+        watchdog.start()
         out: list[str] = []
-        deadline = time.monotonic() + BUILD_STEP_TIMEOUT_S
-        assert proc.stdout is not None
-        for n, line in enumerate(proc.stdout, 1):
-            fh.write(line)
-            out.append(line)
-            if n % 250 == 0:
-                print(f"  [{what}] {n} lines of go output (log: {log})", flush=True)
-            if time.monotonic() > deadline:
-                proc.kill()
-                break
         try:
-            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait(timeout=30)
+            assert proc.stdout is not None
+            for n, line in enumerate(proc.stdout, 1):
+                fh.write(line)
+                out.append(line)
+                if n % 250 == 0:
+                    print(f"  [{what}] {n} lines of go output (log: {log})", file=_progress, flush=True)
+            rc = proc.wait(timeout=60)  # stdout closed: the process is exiting
+        finally:
+            watchdog.cancel()
     if rc != 0:
         tail = "".join(out[-15:])
-        raise BuildError(f"{what}: `{' '.join(cmd[:3])} ...` failed (rc={rc}); log: {log}\n{tail}")
+        timed_out = f" after the {BUILD_STEP_TIMEOUT_S} s limit" if rc == -9 else ""
+        raise BuildError(f"{what}: `{' '.join(cmd[:3])} ...` failed (rc={rc}){timed_out}; log: {log}\n{tail}")
     return "".join(out)
 
 
@@ -257,8 +260,11 @@ def _build_lock() -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def ensure_built(out=sys.stdout) -> dict[str, float]:
+def ensure_built(out: TextIO | None = None) -> dict[str, float]:
     """Build whatever is missing; return seconds spent per component (empty when all was cached)."""
+    global _progress
+    out = out or sys.stdout
+    _progress = out
     if not missing():
         return {}
     with _build_lock():
