@@ -31,9 +31,10 @@ INSTALL_HEADER = f"""\
 # namespaced and follows the watched namespaces. A cluster-scoped kind missing here would be granted
 # only through Roles, where it has no effect: test_install_operator_rbac catches that as a 403.
 RESOURCE_SCOPES = {
-    # kopf in cluster-wide mode follows namespaces and CRDs; with fixed namespaces it needs neither.
-    ("apiextensions.k8s.io", "customresourcedefinitions"): "cluster-mode",
-    ("", "namespaces"): "cluster-mode",
+    # kopf watches CRDs and lists/watches namespaces in both modes (with fixed namespaces it falls
+    # back after a 403, but logs it); kopf's own deployment-rbac.yaml grants both cluster-wide.
+    ("apiextensions.k8s.io", "customresourcedefinitions"): "cluster",
+    ("", "namespaces"): "cluster",
     # kopf peering: cluster-wide operators use ClusterKopfPeering, namespaced ones KopfPeering.
     ("kopf.dev", "clusterkopfpeerings"): "cluster-mode",
     ("kopf.dev", "kopfpeerings"): "namespaces-mode",

@@ -94,8 +94,9 @@ def test_namespaced_scope_grants_workload_access_only_in_the_watched_namespaces(
     assert set(roles) == {"team-a", "team-b"}
     for role in roles.values():
         assert {"disaggregatedinferences", "statefulsets"} <= resources_granted(role)
-    for cluster_role in by_kind(docs, "ClusterRole"):
-        assert not {"statefulsets", "secrets", "pods"} & resources_granted(cluster_role)
+    (cluster_role,) = by_kind(docs, "ClusterRole")  # only kopf's cluster-scoped reads stay cluster-wide
+    assert resources_granted(cluster_role) == {"customresourcedefinitions", "namespaces"}
+    assert {v for rule in cluster_role["rules"] for v in rule["verbs"]} == {"get", "list", "watch"}
 
 
 def test_namespaced_scope_defaults_to_the_release_namespace() -> None:
