@@ -22,7 +22,8 @@ from kvferry.connector.promtext import metric_sum, parse_metrics
 
 from .pdclient import completion_body
 
-pytestmark = pytest.mark.e2e
+# Setup starts vLLM servers: on a shared 2-core host that alone can take minutes.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 DEADLINES = {"prefill_s": 20, "decode_first_token_s": 10, "transfer_s": 10, "total_s": 45}
 
 

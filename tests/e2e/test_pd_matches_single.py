@@ -14,7 +14,8 @@ from kvferry.connector.promtext import metric_sum, parse_metrics
 
 from .pdclient import PROMPT_LENGTHS, outputs, requests
 
-pytestmark = pytest.mark.e2e
+# Setup starts vLLM servers: on a shared 2-core host that alone can take minutes.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 # (mode, prefill block size, decode block size); kvferry cases join once its connector exists.
 CASES = [("vllm-pull", None, None), ("vllm-push", None, None)]
