@@ -57,7 +57,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
             )
             return 1
     t0 = time.monotonic()
-    plane = ControlPlane(parse_counts(args.nodes), kwok_cpu=not args.cpu_agent).start(workdir)
+    counts, detached = parse_counts(args.nodes), not args.foreground
+    plane = ControlPlane(counts, kwok_cpu=not args.cpu_agent, detached=detached).start(workdir)
     took = time.monotonic() - t0
     print(
         f"# control plane up in {took:.1f} s at {plane.server} (cumulative: {plane.timings})", file=sys.stderr

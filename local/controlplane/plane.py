@@ -32,9 +32,14 @@ START_ATTEMPTS = 2  # a second try only after a port taken between choosing and 
 class ControlPlane:
     """A real Kubernetes control plane on loopback. Use as a context manager or call start()/stop()."""
 
-    def __init__(self, node_counts: dict[str, int] | None = None, *, kwok_cpu: bool = True) -> None:
+    def __init__(
+        self, node_counts: dict[str, int] | None = None, *, kwok_cpu: bool = True, detached: bool = False
+    ) -> None:
         self.node_counts = dict(nodes.DEFAULT_COUNTS if node_counts is None else node_counts)
         self.kwok_cpu = kwok_cpu  # False: the cpu nodes are left for another agent (kvferry demo)
+        # Not detached: components get SIGKILL when the thread that started them dies (a killed test
+        # run leaves nothing behind). Detached (`kvferry cluster up`): they outlive this process.
+        self.detached = detached
         self.workdir: Path | None = None
         self.ports: components.Ports | None = None
         self.procs: dict[str, Proc] = {}
@@ -147,7 +152,7 @@ class ControlPlane:
         self.stop()
 
     def _spawn(self, name: str, argv: list[str], logs: Path) -> Proc:
-        proc = Proc(name, argv, logs / f"{name}.log").start()
+        proc = Proc(name, argv, logs / f"{name}.log").start(tie_to_parent=not self.detached)
         self.procs[name] = proc
         return proc
 

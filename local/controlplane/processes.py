@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 STOP_GRACE_S = 10.0
+SETPRIV = shutil.which("setpriv")  # util-linux; sets the parent-death signal, then execs (same PID)
 
 
 class ControlPlaneError(RuntimeError):
@@ -53,13 +55,17 @@ class Proc:
     popen: subprocess.Popen | None = field(default=None, repr=False)
     pid: int | None = None
 
-    def start(self, env: dict[str, str] | None = None) -> Proc:
+    def start(self, env: dict[str, str] | None = None, *, tie_to_parent: bool = True) -> Proc:
+        """Start detached in its own session; `tie_to_parent` also SIGKILLs it if this thread dies."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        argv = self.argv
+        if tie_to_parent and SETPRIV:  # so a killed test run leaves no component behind
+            argv = [SETPRIV, "--pdeathsig", "KILL", "--", *argv]  # nobody is left to wait for a graceful exit
         with self.log.open("ab") as fh:
             fh.write(f"$ {' '.join(self.argv)}\n".encode())
             fh.flush()
             self.popen = subprocess.Popen(
-                self.argv,
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=fh,
                 stderr=subprocess.STDOUT,
