@@ -145,14 +145,23 @@ class Kube:
         status, data = self._call("GET", kind, self.path(kind, namespace), query=query)
         return self._ok(status, data, f"list {kind} in {namespace}").get("items", [])
 
-    def patch_status(self, namespace: str, name: str, status_patch: dict[str, Any]) -> dict[str, Any]:
-        """JSON merge patch of the CR's status subresource (kopf never writes there: handlers return None)."""
+    def patch_status(
+        self, namespace: str, name: str, status_patch: dict[str, Any], resource_version: str | None = None
+    ) -> dict[str, Any]:
+        """JSON merge patch of the CR's status subresource (kopf never writes there: handlers return None).
+
+        With `resource_version` the patch only applies to that version (409 otherwise): status is
+        written by the reconcile and the metrics timer, and each must build on what the other wrote.
+        """
         path = self.path("DisaggregatedInference", namespace, name, "status")
+        body: dict[str, Any] = {"status": status_patch}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
         code, data = self._call(
             "PATCH",
             "DisaggregatedInference/status",
             path,
-            body={"status": status_patch},
+            body=body,
             content_type="application/merge-patch+json",
         )
         return self._ok(code, data, f"patch status {namespace}/{name}")

@@ -70,6 +70,9 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.KOPF_PREFIX)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=names.KOPF_PREFIX)
+        settings.persistence.finalizer = f"{names.GROUP}/finalizer"  # kopf's, while timers run
+        # Stop a deleted CR's timers promptly (kopf re-checks every 60 s by default).
+        settings.background.cancellation_polling = 2
         settings.posting.level = 20  # INFO and up become Kubernetes events
         settings.execution.max_workers = 8  # reconciles run in threads (the client is synchronous)
         memo.kube = Kube.from_kubeconfig(cfg.kubeconfig or None)

@@ -8,6 +8,7 @@ Level-based: every entry point recomputes from the CR and what exists, so runnin
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,14 +54,40 @@ def observed_replicas(kube: Kube, cr: dict[str, Any]) -> dict[str, int | None]:
     return out
 
 
-def write_status(kube: Kube, cr: dict[str, Any], new: dict[str, Any]) -> bool:
-    """Patch status when it changed; the transfer summary is left to the metrics timer."""
-    previous = cr.get("status") or {}
-    patch = {k: v for k, v in new.items() if k != "transfer"}
-    if all(previous.get(k) == v for k, v in patch.items()):
-        return False
-    kube.patch_status(cr["metadata"]["namespace"], cr["metadata"]["name"], patch)
-    return True
+STATUS_ATTEMPTS = 4
+
+
+def write_status(
+    kube: Kube, cr: dict[str, Any], compute: Callable[[dict[str, Any]], dict[str, Any]]
+) -> dict[str, Any]:
+    """Patch status with `compute(previous_status)`, only if it changes anything, optimistically.
+
+    The patch carries the CR's resourceVersion; on a conflict (the other status writer got there first)
+    the CR is read again and the patch recomputed from what is there now, so neither writer clobbers
+    the other's conditions with a stale copy. Returns the patch written (or that needed no write).
+    """
+    meta = cr["metadata"]
+    for _ in range(STATUS_ATTEMPTS):
+        previous = cr.get("status") or {}
+        patch = compute(previous)
+        if all(previous.get(k) == v for k, v in patch.items()):
+            return patch
+        try:
+            kube.patch_status(meta["namespace"], meta["name"], patch, cr["metadata"].get("resourceVersion"))
+            return patch
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+        fresh = kube.get("DisaggregatedInference", meta["namespace"], meta["name"])
+        if fresh is None:
+            return patch  # deleted meanwhile
+        cr = fresh
+    raise KubeError(409, f"status of {meta['namespace']}/{meta['name']} kept changing under us")
+
+
+def _without_transfer(status_: dict[str, Any]) -> dict[str, Any]:
+    """The reconcile's part of status: everything but the transfer summary (the metrics timer's)."""
+    return {k: v for k, v in status_.items() if k != "transfer"}
 
 
 def flip_events(previous: dict[str, Any], new: dict[str, Any]) -> list[Event]:
@@ -98,7 +125,6 @@ def reconcile(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, *, trigger: s
         namespace=ns,
         generation=generation,
         router_replicas=int(((cr.get("spec") or {}).get("router") or {}).get("replicas", 1)),
-        previous=previous,
         now=now_iso(),
     )
 
@@ -107,13 +133,19 @@ def reconcile(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, *, trigger: s
         rendered = render(cr, router_image=cfg.router_image, observed_replicas=observed_replicas(kube, cr))
     except SpecError as exc:
         out.invalid = str(exc)
-        out.status = status.summarize(
-            Observed(spec_error=out.invalid),
-            revision=previous.get("revision", ""),
-            desired=_desired(cr),
-            **summarize_kw,
+        out.status = write_status(
+            kube,
+            cr,
+            lambda prev: _without_transfer(
+                status.summarize(
+                    Observed(spec_error=out.invalid),
+                    revision=prev.get("revision", ""),
+                    desired=_desired(cr),
+                    previous=prev,
+                    **summarize_kw,
+                )
+            ),
         )
-        write_status(kube, cr, out.status)
         out.events.append(("Warning", EventReason.INVALID_SPEC, out.invalid))
         return out
 
@@ -141,12 +173,16 @@ def reconcile(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, *, trigger: s
         router=applied.get(("Deployment", names.router_name(name))),
         apply_error=out.failed,
     )
-    out.status = status.summarize(
-        observed, revision=rendered.revision, desired=_desired(cr, observed.statefulsets), **summarize_kw
-    )
+    desired = _desired(cr, observed.statefulsets)
 
     # Step 4: one status patch, written even when the apply failed.
-    write_status(kube, cr, out.status)
+    def compute(prev: dict[str, Any]) -> dict[str, Any]:
+        new = status.summarize(
+            observed, revision=rendered.revision, desired=desired, previous=prev, **summarize_kw
+        )
+        return _without_transfer(new)
+
+    out.status = write_status(kube, cr, compute)
     out.events += flip_events(previous, out.status)
     return out
 
@@ -219,16 +255,20 @@ def refresh_status(kube: Kube, cr: dict[str, Any], owned: dict[str, dict[str, An
     if not previous.get("revision"):
         return Outcome()  # not reconciled yet: the CR handler writes the first status
     observed = Observed(statefulsets={r: owned.get(r) for r in names.ROLES}, router=owned.get("router"))
-    new = status.summarize(
-        observed,
-        cr_name=meta["name"],
-        namespace=meta["namespace"],
-        generation=previous.get("observedGeneration", 0),
-        revision=previous["revision"],
-        desired=_desired(cr, observed.statefulsets),
-        router_replicas=int(((cr.get("spec") or {}).get("router") or {}).get("replicas", 1)),
-        previous=previous,
-        now=now_iso(),
-    )
-    write_status(kube, cr, new)
+
+    def compute(prev: dict[str, Any]) -> dict[str, Any]:
+        new = status.summarize(
+            observed,
+            cr_name=meta["name"],
+            namespace=meta["namespace"],
+            generation=prev.get("observedGeneration", 0),
+            revision=prev.get("revision", previous["revision"]),
+            desired=_desired(cr, observed.statefulsets),
+            router_replicas=int(((cr.get("spec") or {}).get("router") or {}).get("replicas", 1)),
+            previous=prev,
+            now=now_iso(),
+        )
+        return _without_transfer(new)
+
+    new = write_status(kube, cr, compute)
     return Outcome(status=new, events=flip_events(previous, new))

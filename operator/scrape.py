@@ -13,7 +13,7 @@ import httpx
 from kvferry.operator import names, selfmetrics, status, transfer_metrics
 from kvferry.operator.apply import Kube, now_iso
 from kvferry.operator.config import OperatorConfig
-from kvferry.operator.reconcile import Event
+from kvferry.operator.reconcile import Event, write_status
 from kvferry.operator.spec import EFA_ACCELERATORS
 from kvferry.operator.status import ConditionType, EventReason, Reason
 
@@ -65,24 +65,34 @@ def scrape(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, fetch: Fetch) ->
         for role, urls in metrics_urls(pods, template).items()
     }
     kv = spec.get("kvTransfer") or {}
-    now = now_iso()
-    summary, (state, reason, message) = transfer_metrics.summarize(
-        texts["prefill"],
-        texts["decode"],
-        previous=previous.get("transfer") or {},
-        mode=kv.get("mode", "push"),
-        efa=spec.get("accelerator") in EFA_ACCELERATORS,
-        now=now,
-    )
-    selfmetrics.SCRAPES.labels("ok" if summary["scrapedPods"] else "no-pods-answered").inc()
-    gen = previous.get("observedGeneration", 0)
-    conditions = status.set_condition(
-        previous.get("conditions", []), ConditionType.TRANSFER_HEALTHY, state, reason, message, gen, now
-    )
-    degraded = status.condition({"conditions": conditions}, ConditionType.DEGRADED)
-    if not degraded or degraded.get("reason") not in _RECONCILE_FAULTS:
-        conditions = status.degraded_from_transfer(conditions, gen, now)
-    kube.patch_status(meta["namespace"], meta["name"], {"transfer": summary, "conditions": conditions})
+    verdicts = []
+
+    def compute(prev: dict[str, Any]) -> dict[str, Any]:
+        now = now_iso()
+        summary, verdict = transfer_metrics.summarize(
+            texts["prefill"],
+            texts["decode"],
+            previous=prev.get("transfer") or {},
+            mode=kv.get("mode", "push"),
+            efa=spec.get("accelerator") in EFA_ACCELERATORS,
+            now=now,
+        )
+        verdicts.append(verdict)
+        gen = prev.get("observedGeneration", 0)
+        conditions = status.set_condition(
+            prev.get("conditions", []), ConditionType.TRANSFER_HEALTHY, *verdict, gen, now
+        )
+        degraded = status.condition({"conditions": conditions}, ConditionType.DEGRADED)
+        if not degraded or degraded.get("reason") not in _RECONCILE_FAULTS:
+            conditions = status.degraded_from_transfer(conditions, gen, now)
+        before = prev.get("transfer") or {}
+        if all(before.get(k) == v for k, v in summary.items() if k != "lastScrapeTime"):
+            summary["lastScrapeTime"] = before.get("lastScrapeTime", now)  # unchanged: no status write
+        return {"transfer": summary, "conditions": conditions}
+
+    patch = write_status(kube, cr, compute)
+    state, reason, message = verdicts[-1]
+    selfmetrics.SCRAPES.labels("ok" if patch["transfer"]["scrapedPods"] else "no-pods-answered").inc()
     old = status.condition(previous, ConditionType.TRANSFER_HEALTHY)
     if old is not None and old.get("status") == state:
         return []

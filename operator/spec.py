@@ -222,7 +222,7 @@ class TransferStatus:
     last_failure: str = f("Reason label of the most recent failures.", "")
     last_failure_time: str = f("When failures last increased.", "")
     scraped_pods: int = f("Pods whose metrics were read in the last scrape.", 0)
-    last_scrape_time: str = f("When metrics were last read.", "")
+    last_scrape_time: str = f("When a scrape last changed this summary.", "")
 
 
 @dataclass
