@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / "disaggregatedinferences.yaml"
 GROUP, VERSION, PLURAL = "kvferry.io", "v1alpha1", "disaggregatedinferences"
 AGENT_NODE = "cpu-0"
-POD_CIDR = "127.0.10.0/24"
+POD_CIDR = "10.213.0.0/24"  # inside the node's network namespace (see nodeagent/netns.py)
 OPERATOR_STOP_S = 15.0
 METRICS_INTERVAL_S = 5.0  # the operator's default is 30 s; the demo wants transfers to count up visibly
 

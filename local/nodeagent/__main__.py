@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvferry.local.nodeagent", description=__doc__)
     parser.add_argument("--kubeconfig", required=True)
     parser.add_argument("--node", required=True, help="an existing Node that kwok does not manage")
-    parser.add_argument("--pod-cidr", default="127.0.10.0/24", help="loopback subnet for pod IPs")
+    parser.add_argument("--pod-cidr", default="10.213.0.0/24", help="private subnet for pod IPs (node netns)")
     parser.add_argument(
         "--workdir", default=None, help="pod volumes and container logs (default: a temp dir)"
     )

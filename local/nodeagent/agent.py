@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 
 from kvferry.local.nodeagent import alloc, image, status
 from kvferry.local.nodeagent.kube import Kube, KubeError
+from kvferry.local.nodeagent.netns import NodeNetwork
 from kvferry.local.nodeagent.pod import PodWorker
 from kvferry.local.nodeagent.podspec import PodContext
 from kvferry.local.nodeagent.watch import PodWatcher
@@ -36,13 +37,14 @@ class NodeAgent:
         self,
         kubeconfig: str,
         node: str,
-        pod_cidr: str = "127.0.10.0/24",
+        pod_cidr: str = "10.213.0.0/24",
         workdir: str | None = None,
         cores: list[int] | None = None,
         max_exclusive_cores: int = 1,
     ) -> None:
         self.kubeconfig, self.node = kubeconfig, node
         self.addresses = alloc.AddressPool(pod_cidr)
+        self.network = NodeNetwork(f"kvf-{node}", pod_cidr)
         self.cores = alloc.CorePool(cores, max_exclusive_cores)
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"kvferry-node-{node}-"))
         self.bin_dir = image.write_bin_dir(self.workdir / "bin")
@@ -65,6 +67,9 @@ class NodeAgent:
             raise KubeError(
                 f"node {self.node!r} must exist before its agent starts: {exc}", exc.status
             ) from exc
+        self.network.setup(self.host_ip)
+        port = urlparse(self.kube.server).port or 443
+        self.network.forward_loopback_port(port)  # pods reach the API server at the same URL
         self._ready_since = status.now_iso()
         status.heartbeat_node(self.kube, self.node, self.host_ip, self._ready_since)
         self._heartbeat = threading.Thread(target=self._beat, name=f"heartbeat-{self.node}", daemon=True)
@@ -85,6 +90,7 @@ class NodeAgent:
                 list(pool.map(lambda w: w.stop(STOP_GRACE_CAP_S), workers))
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=HEARTBEAT_S + 20)
+        self.network.teardown()
         if self.kube is not None:
             self.kube.close()
 
@@ -113,12 +119,14 @@ class NodeAgent:
         assert self.kube is not None
         server = urlparse(self.kube.server)
         pod_ip = self.addresses.take()
+        self.network.add_pod_ip(pod_ip)
         ctx = PodContext(
             pod_ip=pod_ip,
             host_ip=self.host_ip,
             apiserver_host=server.hostname or "127.0.0.1",
             apiserver_port=server.port or 443,
             extra_env=image.pod_env(self.bin_dir, pod_ip),
+            exec_prefix=tuple(self.network.exec_prefix()),
         )
         meta = pod["metadata"]
         root = self.workdir / "pods" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
@@ -129,6 +137,7 @@ class NodeAgent:
     def _worker_done(self, worker: PodWorker) -> None:
         with self._lock:
             self.workers.pop(worker.uid, None)
+        self.network.remove_pod_ip(worker.ctx.pod_ip)
         self.addresses.give_back(worker.ctx.pod_ip)
 
     # --- what pods read from the API -------------------------------------------------------------

@@ -1,11 +1,11 @@
-"""Allocation step: give each pod a loopback address and each whole-CPU container its own cores.
+"""Allocation step: give each pod an address in the node's subnet and each whole-CPU container cores.
 
-Addresses: the whole of 127.0.0.0/8 reaches the loopback interface on Linux, so a pod can bind its
-own 127.x.y.z without any interface setup; the node takes the subnet's first host address and pods the
-rest. Cores: like the kubelet's static CPU-manager policy, a container that requests a whole number
-of CPUs gets that many cores of its own, when free. vLLM-CPU learns them through
-VLLM_CPU_OMP_THREADS_BIND (its "auto" reserves cores for the scheduler and NIXL and, on a 2-core
-machine, runs both servers on the same cores: ~10x slower); other containers share every core.
+Addresses: a private subnet that lives in the node's network namespace (see netns.py); the node
+takes the subnet's first host address (the host side of the link) and pods the rest.
+Cores: like the kubelet's static CPU-manager policy, a container that requests a whole number of
+CPUs gets cores of its own, when free. vLLM-CPU learns them through VLLM_CPU_OMP_THREADS_BIND (its
+"auto" reserves cores for the scheduler and NIXL and, on a 2-core machine, runs both servers on the
+same cores: ~10x slower); other containers share every core.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ class AllocationError(RuntimeError):
 
 
 class AddressPool:
-    """Pod IPs from a loopback subnet, released when the pod's worker ends."""
+    """Pod IPs from the node subnet, released when the pod's worker ends."""
 
     def __init__(self, cidr: str) -> None:
         net = ipaddress.ip_network(cidr)
-        if not net.subnet_of(ipaddress.ip_network("127.0.0.0/8")):
-            raise ValueError(f"pod subnet {cidr} must lie inside 127.0.0.0/8 (servers stay on loopback)")
+        if not net.is_private or net.is_loopback:
+            # Loopback is refused too: the API server rejects 127.x addresses in EndpointSlices.
+            raise ValueError(f"pod subnet {cidr} must be private and not loopback (e.g. 10.213.0.0/24)")
         hosts = [str(h) for h in net.hosts()]
         if len(hosts) < 2:
             raise ValueError(f"pod subnet {cidr} has fewer than 2 host addresses")

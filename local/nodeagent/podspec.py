@@ -35,6 +35,7 @@ class PodContext:
     # volume name -> local directory (None: ignored, e.g. an emptyDir at /dev/shm)
     volume_dirs: dict[str, str | None] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
+    exec_prefix: tuple[str, ...] = ()  # runs a command inside the node's network namespace
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class LaunchPlan:
     argv: list[str]
     env: dict[str, str]
     cwd: str | None
+    exec_prefix: tuple[str, ...] = ()
 
 
 def expand(text: str, env: dict[str, str]) -> str:
@@ -183,4 +185,5 @@ def plan_container(
     env = {k: map_paths(v, pairs) for k, v in env.items()}
     argv = [map_paths(expand(a, env), pairs) for a in container["command"] + (container.get("args") or [])]
     cwd = map_paths(container["workingDir"], pairs) if container.get("workingDir") else None
-    return LaunchPlan(name=name, argv=argv, env=env, cwd=cwd)
+    prefix = ctx.exec_prefix
+    return LaunchPlan(name=name, argv=[*prefix, *argv], env=env, cwd=cwd, exec_prefix=prefix)

@@ -26,7 +26,13 @@ def _port(container: dict[str, Any], port: Any) -> int:
     raise PodSpecError(f"container {container.get('name')}: probe port {port!r} is not a declared port name")
 
 
-def run_once(probe: dict[str, Any], container: dict[str, Any], pod_ip: str, env: dict[str, str]) -> bool:
+def run_once(
+    probe: dict[str, Any],
+    container: dict[str, Any],
+    pod_ip: str,
+    env: dict[str, str],
+    prefix: tuple[str, ...] = (),
+) -> bool:
     """One probe attempt, bounded by timeoutSeconds."""
     timeout = float(probe.get("timeoutSeconds", 1))
     if "httpGet" in probe:
@@ -52,7 +58,8 @@ def run_once(probe: dict[str, Any], container: dict[str, Any], pod_ip: str, env:
             return False
     if "exec" in probe:
         try:
-            done = subprocess.run(probe["exec"]["command"], env=env, capture_output=True, timeout=timeout)
+            argv = [*prefix, *probe["exec"]["command"]]
+            done = subprocess.run(argv, env=env, capture_output=True, timeout=timeout)
         except (subprocess.TimeoutExpired, OSError):
             return False
         return done.returncode == 0

@@ -111,9 +111,8 @@ class ContainerRunner:
             time.sleep(min(float(hook["sleep"].get("seconds", 0)), budget_s))
         elif "exec" in hook:
             with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-                subprocess.run(
-                    hook["exec"]["command"], env=self.plan.env, capture_output=True, timeout=budget_s
-                )
+                argv = [*self.plan.exec_prefix, *hook["exec"]["command"]]
+                subprocess.run(argv, env=self.plan.env, capture_output=True, timeout=budget_s)
 
     def stop(self, grace_s: float) -> None:
         if self.proc is not None:
@@ -169,14 +168,18 @@ class ContainerRunner:
         env = self.plan.env
         if self.startup.result is not True:
             if self.startup.due(now):
-                self.startup.record(run_once(self.startup.probe, self.spec, self.pod_ip, env), now)
+                self.startup.record(
+                    run_once(self.startup.probe, self.spec, self.pod_ip, env, self.plan.exec_prefix), now
+                )
                 if self.startup.failed_out:
                     self._restart_unhealthy("startup")
                     return True
         else:
             for state in (self.readiness, self.liveness):
                 if state.due(now):
-                    state.record(run_once(state.probe, self.spec, self.pod_ip, env), now)
+                    state.record(
+                        run_once(state.probe, self.spec, self.pod_ip, env, self.plan.exec_prefix), now
+                    )
             if self.liveness.result is False:
                 self._restart_unhealthy("liveness")
                 return True

@@ -27,13 +27,13 @@ WAIT_S = 60.0
 
 @pytest.fixture(scope="module")
 def agent_node(control_plane, admin_api) -> Iterator[tuple[str, NodeAgent]]:
-    """A Node no kwok manages, run by a NodeAgent on a random loopback /24."""
+    """A Node no kwok manages, run by a NodeAgent (needs root: it creates the node's netns)."""
     name = f"agent-{uuid.uuid4().hex[:6]}"
     body = nodes.manifest(nodes.CPU, 0, kwok=False)
     body["metadata"]["name"] = body["metadata"]["labels"]["kubernetes.io/hostname"] = name
     core = client.CoreV1Api(admin_api)
     core.create_node(body)
-    cidr = f"127.{random.randint(100, 250)}.{random.randint(0, 250)}.0/24"
+    cidr = f"10.213.{random.randint(100, 250)}.0/24"
     agent = NodeAgent(str(control_plane.kubeconfig), name, cidr)
     agent.start()
     try:

@@ -132,10 +132,10 @@ def _transfer(stack: Stack) -> dict[str, Any]:
     return (stack.get_cr(NS, NAME).get("status") or {}).get("transfer") or {}
 
 
-def test_pods_get_their_own_loopback_ip_and_core(stack: Stack, router: str) -> None:
+def test_pods_get_their_own_ip_and_core(stack: Stack, router: str) -> None:
     pods = {p["metadata"]["labels"]["kvferry.io/role"]: p for p in stack.pods(NS) if pod_ready(p)}
     ips = {role: p["status"]["podIP"] for role, p in pods.items()}
-    assert len(set(ips.values())) == 3 and all(ip.startswith("127.0.10.") for ip in ips.values())
+    assert len(set(ips.values())) == 3 and all(ip.startswith("10.213.0.") for ip in ips.values())
     assert router == f"http://{ips['router']}:8000"
     agent = stack.agent
     assert agent is not None

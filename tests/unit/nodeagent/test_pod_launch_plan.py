@@ -19,8 +19,8 @@ def _pod(container: dict, **spec) -> dict:
 
 
 CTX = podspec.PodContext(
-    pod_ip="127.0.10.2",
-    host_ip="127.0.10.1",
+    pod_ip="10.213.0.2",
+    host_ip="10.213.0.1",
     apiserver_host="127.0.0.1",
     apiserver_port=6443,
     volume_dirs={"config": "/tmp/pod/volumes/config", "shm": None},
@@ -48,12 +48,12 @@ def test_field_refs_and_var_expansion_resolve_in_order() -> None:
         "kvferry",
         "serve",
         "--host",
-        "127.0.10.2",
+        "10.213.0.2",
         "--engine-id=tiny-prefill-0",
         "$(literal)",
         "$(UNSET)",
     ]
-    assert plan.env["URL"] == "http://127.0.10.2:8000"
+    assert plan.env["URL"] == "http://10.213.0.2:8000"
     assert plan.env["ROLE"] == "prefill"
     assert plan.env["KUBERNETES_SERVICE_HOST"] == "127.0.0.1"
     assert plan.env["HOSTNAME"] == "tiny-prefill-0"
@@ -102,9 +102,9 @@ def test_whole_cpu_containers_get_distinct_cores_and_the_omp_bind() -> None:
     assert capped.take(2) == [0] and capped.take(2) == [1]  # a cpu: "2" request leaves a core for the peer
 
 
-def test_pod_subnet_outside_loopback_is_refused() -> None:
-    with pytest.raises(ValueError, match="127.0.0.0/8"):
-        alloc.AddressPool("10.0.0.0/24")
-    pool = alloc.AddressPool("127.0.10.0/29")
-    assert pool.node_ip == "127.0.10.1"
-    assert pool.take() == "127.0.10.2"
+def test_loopback_pod_subnet_is_refused_because_endpointslices_reject_it() -> None:
+    with pytest.raises(ValueError, match="not loopback"):
+        alloc.AddressPool("127.0.10.0/24")
+    pool = alloc.AddressPool("10.213.0.0/29")
+    assert pool.node_ip == "10.213.0.1"
+    assert pool.take() == "10.213.0.2"
