@@ -96,7 +96,6 @@ class ControlPlane:
                 # Ports are free when chosen but another session may bind one first: retry with new ones.
                 if "address already in use" not in str(e) or attempt == START_ATTEMPTS:
                     raise
-                shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
             except BaseException:
                 self.stop()
                 raise
@@ -108,6 +107,9 @@ class ControlPlane:
         def mark(step: str) -> None:
             self.timings[step] = round(time.monotonic() - t0, 1)
 
+        shutil.rmtree(
+            d / "etcd", ignore_errors=True
+        )  # every start is a fresh cluster, even in an old workdir
         self._certs = certs.generate(d / "pki")
         self.ports = ports = components.Ports.from_list(reserve_ports(5))
         kc = self._write_kubeconfigs()
@@ -127,7 +129,7 @@ class ControlPlane:
         self._spawn("kwok", components.kwok(kc["kwok"]), logs)
         self._save_state()
 
-        names = self.apply_nodes(self.node_counts, wait=False)
+        self.apply_nodes(self.node_counts, wait=False)
         watch = list(self.procs.values())
         wait_for(
             "ServiceAccount default/default (controller-manager)", self._default_sa_exists, timeout_s, watch
@@ -136,7 +138,8 @@ class ControlPlane:
         sched = f"https://127.0.0.1:{ports.scheduler}/healthz"
         wait_for("kube-scheduler /healthz", lambda: probe(sched, insecure=True) == "ok", timeout_s, watch)
         mark("scheduler")
-        self.wait_nodes_ready([n for n in names if self._kwok_managed(n)], timeout_s)
+        specs = nodes.manifests(self.node_counts, kwok_cpu=self.kwok_cpu)
+        self.wait_nodes_ready([b["metadata"]["name"] for b in specs if _is_kwok(b)], timeout_s)
         mark("nodes")
 
     def stop(self) -> None:
@@ -189,6 +192,9 @@ class ControlPlane:
         plane.workdir, plane.ports = path.parent, components.Ports(**state["ports"])
         for name, p in state["procs"].items():
             plane.procs[name] = Proc(name, p["argv"], Path(p["log"]), pid=p["pid"])
+        pki = plane.workdir / "pki"
+        admin = certs.CertPair(pki / "client-admin.crt", pki / "client-admin.key")
+        plane._rest = Rest(plane.server, pki / "ca.crt", admin)
         return plane
 
     # --- clients ---------------------------------------------------------------------------------
@@ -258,9 +264,6 @@ class ControlPlane:
         wait_for(
             f"nodes Ready and untainted: {', '.join(names)}", ready, timeout_s, list(self.procs.values())
         )
-
-    def _kwok_managed(self, name: str) -> bool:
-        return self.kwok_cpu or not name.startswith("cpu-")
 
     def _default_sa_exists(self) -> bool:
         return self._api().exists("/api/v1/namespaces/default/serviceaccounts/default")
