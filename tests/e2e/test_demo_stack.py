@@ -26,7 +26,8 @@ from kvferry.local.demo.stack import Stack, demo_cr, pod_ready, wait_until
 from kvferry.local.demo.traffic import REQUEST_TIMEOUT_S, complete, fixed_prompts, greedy_texts
 from kvferry.local.nodeagent import image
 
-pytestmark = [pytest.mark.e2e, pytest.mark.cluster]
+# Setup runs a single vLLM, then the control plane and two vLLM pods: minutes on two busy cores.
+pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.timeout(1800)]
 
 NS, NAME = "demo-e2e", "tiny"
 PODS_READY_S = 900.0
