@@ -104,6 +104,8 @@ class PdStack:
             side_port=free_port(), block_size=block_size, cores=cores, kv_cache_gib=self.kv_cache_gib,
             # Upstream baselines only; the kvferry connector owns its NIXL agent config.
             no_progress_thread=self.no_progress_thread and connector != "KvferryConnector",
+            # kvferry defaults to LIBFABRIC (EFA); loopback on a CPU host is UCX.
+            connector_extra={"backends": ["UCX"]} if connector == "KvferryConnector" else {},
         )  # fmt: skip
         return VllmProcess(spec, self.workdir / f"{role}.log")
 
