@@ -252,7 +252,12 @@ class VllmProcess:
             self._log = None
 
     def __enter__(self) -> VllmProcess:
-        return self.start().wait_ready()
+        self.start()
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()  # __exit__ does not run when __enter__ raises
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
