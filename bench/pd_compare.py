@@ -19,12 +19,15 @@ import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import httpx
 from kvferry.connector import loadbench
 from kvferry.connector.pdstack import PdStack, kvferry_connector_available
+from kvferry.connector.promtext import parse_metrics
 from kvferry.connector.serve import ServerSpec, VllmProcess, free_port
 from kvferry.local.tinymodel import ensure
 
 ALL_MODES = ("single", "vllm-pull", "vllm-push", "kvferry")
+ROUTER_STATS: dict[str, dict[str, float]] = {}
 
 
 def measure(
@@ -39,9 +42,21 @@ def measure(
     stack = PdStack(mode, model, workdir / mode, no_progress_thread=not stock)
     try:
         stack.start()
-        return loadbench.run_sweep(replace(sweep, url=stack.url))
+        cells = loadbench.run_sweep(replace(sweep, url=stack.url))
+        ROUTER_STATS[mode] = router_stats(stack.url)
+        return cells
     finally:
         stack.stop()
+
+
+def router_stats(url: str) -> dict[str, float]:
+    """What the router had to do to get these numbers: recomputes and failed legs by reason."""
+    metrics = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+    return {
+        k: v
+        for k, v in metrics.items()
+        if k.startswith(("kvferry_router_recomputes_total", "kvferry_router_leg_errors_total")) and v
+    }
 
 
 def _ratio(a: float, b: float) -> str:
@@ -100,16 +115,30 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[loadbench.Cell]] = {}
     with tempfile.TemporaryDirectory(prefix="pd-compare-") as tmp:
         for mode in modes:
-            results[mode] = measure(mode, sweep, model, Path(tmp), args.stock_upstream)
+            try:
+                results[mode] = measure(mode, sweep, model, Path(tmp), args.stock_upstream)
+            except Exception as exc:  # one broken mode must not lose the others' numbers
+                print(f"== {mode}: FAILED: {exc!r}"[:2000], file=sys.stderr)
+                ROUTER_STATS[mode] = {"failed to run": 1.0}
+    if not results:
+        return 1
     tables = "\n".join(loadbench.markdown(results[m], m) for m in results)
     summary = comparison(results)
+    stats = "\n".join(
+        f"- {m}: {ROUTER_STATS.get(m) or 'no recomputes, no failed legs'}" for m in modes if m != "single"
+    )
+    summary += "\nRouter recoveries during the sweep (kvferry_router_* counters):\n\n" + stats + "\n"
     print("\n" + tables + "\n### P/D overhead and ratios (TTFT in ms)\n\n" + summary)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     upstream = "as shipped" if args.stock_upstream else "UCX progress thread off"
     header = f"# P/D comparison\n\nCommand: `python bench/pd_compare.py {' '.join(argv or sys.argv[1:])}`\n"
     header += f"Upstream connectors: {upstream}. Output tokens: {args.max_tokens}. Prefix caching off.\n\n"
     args.out.with_suffix(".md").write_text(header + summary + "\n" + tables)
-    doc = {"sweep": asdict(sweep), "modes": {m: [asdict(c) for c in cells] for m, cells in results.items()}}
+    doc = {
+        "sweep": asdict(sweep),
+        "router": ROUTER_STATS,
+        "modes": {m: [asdict(c) for c in cells] for m, cells in results.items()},
+    }
     args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     loadbench.plot(
         results, args.out.with_suffix(".png"), "TTFT / TPOT p50: single vs P/D modes (2 CPU cores)"
