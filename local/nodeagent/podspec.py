@@ -163,11 +163,17 @@ def path_map(pod: dict[str, Any], container: dict[str, Any], ctx: PodContext) ->
 
 
 def map_paths(text: str, pairs: list[tuple[str, str]]) -> str:
-    """Rewrite each mountPath that starts a path (after start, '=', ':' or ',') to its local dir."""
-    for mount, local in pairs:
-        pattern = re.compile(r"(^|[=:,])" + re.escape(mount) + r"(?=/|$|[,:])")
-        text = pattern.sub(lambda m, local=local: m.group(1) + local, text)
-    return text
+    """Rewrite each mountPath that starts a path (after start, '=', ':' or ',') to its local dir.
+
+    One pass over the text: a rewritten path (e.g. under /tmp) must not be rewritten again by a
+    mount at /tmp.
+    """
+    if not pairs:
+        return text
+    local = dict(pairs)
+    alternatives = "|".join(re.escape(mount) for mount, _ in pairs)  # longest first: nested mounts win
+    pattern = re.compile(r"(^|[=:,])(" + alternatives + r")(?=/|$|[,:])")
+    return pattern.sub(lambda m: m.group(1) + local[m.group(2)], text)
 
 
 def plan_container(

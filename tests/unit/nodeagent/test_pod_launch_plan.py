@@ -70,6 +70,10 @@ def test_mount_paths_in_args_are_mapped_to_local_volume_dirs() -> None:
     }
     plan = podspec.plan_container(_pod(container), container, CTX, _no_lookup)
     assert plan.argv[3] == "/tmp/pod/volumes/config/router.yaml"
+    # A mount at /tmp must not rewrite the already-mapped path again.
+    pairs = [("/etc/kvferry", "/tmp/pod/volumes/config"), ("/tmp", "/tmp/pod/volumes/tmp")]
+    assert podspec.map_paths("/etc/kvferry/router.yaml", pairs) == "/tmp/pod/volumes/config/router.yaml"
+    assert podspec.map_paths("--dir=/tmp/x", pairs) == "--dir=/tmp/pod/volumes/tmp/x"
     assert plan.argv[4] == "--x=/tmp/pod/volumes/config/a"
 
 
