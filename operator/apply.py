@@ -34,8 +34,12 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "Secret": ("/api/v1", "secrets"),  # read as metadata only (Kube.exists): never the data
     "DisaggregatedInference": (f"/apis/{GROUP}/{VERSION}", PLURAL),
 }
+# Accept header for a GET that returns only metadata (PartialObjectMetadata), used for Secrets.
+METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 REQUEST_TIMEOUT_S = 30.0  # every call is bounded; kopf retries the handler on timeouts
 
 
@@ -97,11 +101,12 @@ class Kube:
         query: dict[str, str] | None = None,
         body: Any = None,
         content_type: str = "application/json",
+        accept: str = "application/json",
     ) -> tuple[int, dict[str, Any]]:
         with self._lock:
             self.requests[f"{method} {kind}"] += 1
         url = path + ("?" + urlencode(query) if query else "")
-        headers = {"Accept": "application/json", "Content-Type": content_type}
+        headers = {"Accept": accept, "Content-Type": content_type}
         req = self.api.param_serialize(
             method=method, resource_path=url, header_params=headers, body=body, auth_settings=["BearerToken"]
         )
@@ -139,6 +144,14 @@ class Kube:
     def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         status, data = self._call("GET", kind, self.path(kind, namespace, name))
         return None if status == 404 else self._ok(status, data, f"get {kind} {namespace}/{name}")
+
+    def exists(self, kind: str, namespace: str, name: str) -> bool:
+        """Whether an object exists, reading only its metadata (for Secrets: the data never arrives)."""
+        status, data = self._call("GET", kind, self.path(kind, namespace, name), accept=METADATA_ONLY)
+        if status == 404:
+            return False
+        self._ok(status, data, f"get {kind} {namespace}/{name} (metadata)")
+        return True
 
     def list(self, kind: str, namespace: str | None, selector: dict[str, str]) -> list[dict[str, Any]]:
         query = {"labelSelector": ",".join(f"{k}={v}" for k, v in selector.items())}

@@ -38,6 +38,7 @@ class PodPlan:
     tolerations: list[dict[str, Any]]
     affinity: dict[str, Any]
     capabilities: list[str]
+    run_as_user: int | None  # non-root UID the pods run as; None = the image's user (may be root)
     shm_size: str
     startup_seconds: int
     backends: list[str]
@@ -103,6 +104,7 @@ def merge(spec: Spec, role_name: str) -> PodPlan:
         tolerations=[*preset.get("tolerations", []), *role.tolerations],
         affinity=role.affinity,
         capabilities=list(preset.get("capabilities", [])),
+        run_as_user=preset.get("runAsUser"),
         shm_size=preset["shmSize"],
         startup_seconds=role.startup_seconds or preset["startupSeconds"],
         backends=spec.kv_transfer.backends or list(preset["backends"]),

@@ -62,6 +62,20 @@ RULES: list[tuple[list[str], list[str], list[str], str]] = [
         "server-side apply of the router's discovery Role and RoleBinding",
     ),
     (
+        ["networking.k8s.io"],
+        ["networkpolicies"],
+        ["get", "list", "watch", "create", "patch"],
+        "server-side apply of the per-CR NetworkPolicies (create: apply may create)",
+    ),
+    (
+        [""],
+        ["secrets"],
+        ["get"],
+        "check that Secrets a CR references exist, reading metadata only (PartialObjectMetadata); "
+        "no list/watch. RBAC cannot narrow get to metadata or to names known only at runtime "
+        "(docs/security.md)",
+    ),
+    (
         [""],
         ["pods"],
         ["get", "list", "watch"],

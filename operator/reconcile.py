@@ -7,18 +7,20 @@ Level-based: every entry point recomputes from the CR and what exists, so runnin
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvferry.operator import names, status
+from kvferry.operator import names, secrets, status
 from kvferry.operator.apply import Kube, KubeError, now_iso
 from kvferry.operator.config import OperatorConfig
 from kvferry.operator.render import render
 from kvferry.operator.spec import SpecError
 from kvferry.operator.status import ConditionType, EventReason, Observed
 
+log = logging.getLogger("kvferry.operator")
 Event = tuple[str, EventReason, str]  # (Normal|Warning, reason, message)
 
 
@@ -149,6 +151,14 @@ def reconcile(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, *, trigger: s
         out.events.append(("Warning", EventReason.INVALID_SPEC, out.invalid))
         return out
 
+    # Step 1b: referenced Secrets must exist (metadata only). Still apply: pods start once it appears.
+    try:
+        secret_error = secrets.missing_secrets(kube, ns, rendered.spec)
+    except KubeError as exc:
+        secret_error = f"cannot check referenced secrets: {exc}"
+    if secret_error:
+        out.events.append(("Warning", EventReason.SECRET_MISSING, secret_error))
+
     # Step 2: server-side apply every object; keep going past failures so one bad object blocks nothing.
     applied: dict[tuple[str, str], dict[str, Any]] = {}
     errors = []
@@ -172,6 +182,7 @@ def reconcile(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, *, trigger: s
         statefulsets={r: applied.get(("StatefulSet", names.role_name(name, r))) for r in names.ROLES},
         router=applied.get(("Deployment", names.router_name(name))),
         apply_error=out.failed,
+        secret_error=secret_error,
     )
     desired = _desired(cr, observed.statefulsets)
 
@@ -253,6 +264,7 @@ def refresh_status(kube: Kube, cr: dict[str, Any], owned: dict[str, dict[str, An
     meta = cr["metadata"]
     previous = cr.get("status") or {}
     if not previous.get("revision"):
+        log.debug("status refresh of %s skipped: not reconciled yet", meta["name"])
         return Outcome()  # not reconciled yet: the CR handler writes the first status
     observed = Observed(statefulsets={r: owned.get(r) for r in names.ROLES}, router=owned.get("router"))
 
@@ -271,4 +283,5 @@ def refresh_status(kube: Kube, cr: dict[str, Any], owned: dict[str, dict[str, An
         return _without_transfer(new)
 
     new = write_status(kube, cr, compute)
+    log.debug("status refresh of %s: %s", meta["name"], status.condition(new, ConditionType.READY))
     return Outcome(status=new, events=flip_events(previous, new))

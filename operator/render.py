@@ -13,7 +13,7 @@ from typing import Any
 
 import jinja2
 import yaml
-from kvferry.operator import names
+from kvferry.operator import names, security
 from kvferry.operator.presets import PodPlan, merge
 from kvferry.operator.spec import GROUP, KIND, VERSION, Spec, parse_spec
 
@@ -28,6 +28,7 @@ TEMPLATES = (
     "pdb.yaml.j2",
     "router-deployment.yaml.j2",
     "router-service.yaml.j2",
+    "networkpolicy.yaml.j2",
 )
 ROLE_TEMPLATES = {"service-headless.yaml.j2", "statefulset.yaml.j2", "pdb.yaml.j2"}
 
@@ -146,12 +147,14 @@ def role_context(
         "replicas": replicas,
         "image": plan.image,
         "args": vllm_args(spec, role, kv_json, shutdown),
-        "env": identity + plan.env,
+        "env": identity + security.engine_env(spec, plan.env),
         "resources": plan.resources,
         "node_selector": plan.node_selector,
         "tolerations": plan.tolerations,
         "affinity": plan.affinity,
-        "capabilities": plan.capabilities,
+        "pod_security": security.engine_pod_security(plan),
+        "container_security": security.engine_container_security(plan),
+        "scratch_mounts": security.SCRATCH_MOUNTS,
         "shm_size": plan.shm_size,
         "startup_failures": max(3, plan.startup_seconds // 10),
         "prestop_seconds": PRESTOP_SECONDS,
@@ -170,8 +173,10 @@ def router_mode(spec: Spec) -> str:
 def router_config(spec: Spec, cr_name: str, namespace: str) -> dict[str, Any]:
     """The router's config file (docs/contracts.md §2), discovering pods through the role Services."""
     deadline = spec.kv_transfer.deadline_seconds
+    auth = security.router_auth(spec)
     return {
         "listen": {"host": "0.0.0.0", "port": names.HTTP_PORT},
+        **({"auth": auth} if auth else {}),
         "mode": router_mode(spec),
         "model": spec.served_model_name or spec.model,
         "policy": spec.router.policy,
@@ -201,6 +206,9 @@ def router_context(spec: Spec, cr_name: str, namespace: str, router_image: str) 
         "replicas": spec.router.replicas,
         "image": spec.router.image or router_image,
         "resources": spec.router.resources,
+        "env": security.router_env(spec),
+        "pod_security": security.router_pod_security(),
+        "container_security": security.router_container_security(),
         "service_type": spec.router.service_type,
         "grace_seconds": spec.kv_transfer.deadline_seconds + 30,  # let streams finish
         "config_yaml": config_yaml,
@@ -251,6 +259,7 @@ def render(
         "config_name": names.config_name(cr_name),
         "config_labels": names.common_labels(cr_name, "config"),
         "config_hash_key": names.ANNOTATION_CONFIG_HASH,
+        "netpol": security.network_policy_context(spec, cr_name, spec.kv_transfer.side_channel_port),
     }
     objects: list[dict[str, Any]] = []
     for template in TEMPLATES:

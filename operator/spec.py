@@ -151,6 +151,43 @@ class Role:
 
 
 @dataclass
+class SecretKeyRef:
+    """A key of a Secret in the CR's namespace. Only the reference is stored; pods read the value."""
+
+    name: str = f("Secret name.", minLength=1, maxLength=253)
+    key: str = f("Key inside the Secret.", minLength=1, maxLength=253)
+
+
+@dataclass
+class ModelToken:
+    """A model-download token (e.g. Hugging Face) that engine pods get as an env var from a Secret."""
+
+    name: str = f("Secret name.", minLength=1, maxLength=253)
+    key: str = f("Key inside the Secret.", "token", minLength=1, maxLength=253)
+    env: str = f("Env var the engines read it from.", "HF_TOKEN", minLength=1, maxLength=253)
+
+
+@dataclass
+class NetworkPolicy:
+    """NetworkPolicies isolating this service: engines talk only to each other, the router and metrics
+    readers; clients reach only the router. Needs a CNI that enforces NetworkPolicy (docs/security.md)."""
+
+    enabled: bool = f("Render the NetworkPolicies.", True)
+    clients: list[Obj] = f(
+        "NetworkPolicyPeers allowed to call the router; empty = any source (use router.apiKeySecret).",
+        [],
+        maxItems=32,
+    )
+    metrics_readers: list[Obj] = f(
+        "NetworkPolicyPeers allowed to read engine /metrics (port http); empty = the kvferry operator's "
+        "pods (labels app.kubernetes.io/name=kvferry, app.kubernetes.io/component=operator) in any "
+        "namespace.",
+        [],
+        maxItems=32,
+    )
+
+
+@dataclass
 class Router:
     """The OpenAI-compatible router in front of both roles."""
 
@@ -163,6 +200,11 @@ class Router:
         "Type of the client-facing Service.", "ClusterIP", enum=["ClusterIP", "NodePort", "LoadBalancer"]
     )
     resources: Obj = f("Router container resources.", {})
+    api_key_secret: SecretKeyRef | None = f(
+        "Secret holding the API key clients must send (Authorization: Bearer); unset = no key. "
+        "Passed to the router as an env var from the Secret, never written into any object.",
+        None,
+    )
 
 
 @dataclass
@@ -182,6 +224,10 @@ class Spec:
     prefill: Role = f("Prefill role.", Role())
     decode: Role = f("Decode role.", Role())
     router: Router = f("Router.", Router())
+    model_token: ModelToken | None = f(
+        "Secret with a model-download token for the engines; unset = none.", None
+    )
+    network_policy: NetworkPolicy = f("Network isolation of the service.", NetworkPolicy())
 
 
 # ---- status (schema only; status.py fills it) ----

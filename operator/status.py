@@ -31,6 +31,7 @@ class Reason(str, Enum):
     INVALID_SPEC = "InvalidSpec"
     APPLY_FAILED = "ApplyFailed"
     TRANSFER_UNHEALTHY = "TransferUnhealthy"
+    SECRET_MISSING = "SecretMissing"  # Degraded: a Secret the spec references does not exist
     # TransferHealthy reasons (set by the metrics timer, see transfer_metrics.py)
     TRANSFERS_OK = "TransfersSucceeding"
     NO_TRAFFIC = "NoTransfersYet"
@@ -49,6 +50,7 @@ class EventReason(str, Enum):
     NOT_READY = "NotReady"
     DRIFT_CORRECTED = "DriftCorrected"
     TRANSFER_HEALTH = "TransferHealthChanged"
+    SECRET_MISSING = "SecretMissing"
 
 
 @dataclass
@@ -59,6 +61,9 @@ class Observed:
     router: dict[str, Any] | None = None
     apply_error: str = ""
     spec_error: str = ""
+    # Names each referenced Secret that does not exist; None = not checked (a status refresh keeps
+    # what the last reconcile found, so the condition does not flap between reconciles).
+    secret_error: str | None = None
 
 
 def set_condition(
@@ -193,8 +198,18 @@ def summarize(
             conditions = set_(ConditionType.READY, "True", Reason.ALL_READY, msg)
             conditions = set_(ConditionType.PROGRESSING, "False", Reason.RECONCILED, "rollout complete")
         conditions = degraded_from_transfer(conditions, generation, now)
+        if secret_error := missing_secret(observed, previous):  # pods cannot start: worse than transfer
+            conditions = set_(ConditionType.DEGRADED, "True", Reason.SECRET_MISSING, secret_error)
     status["conditions"] = conditions
     return status
+
+
+def missing_secret(observed: Observed, previous: dict[str, Any]) -> str:
+    """This reconcile's missing-Secret message, or the last one when this update did not check."""
+    if observed.secret_error is not None:
+        return observed.secret_error
+    prev = condition(previous, ConditionType.DEGRADED)
+    return prev["message"] if prev and prev.get("reason") == Reason.SECRET_MISSING.value else ""
 
 
 def degraded_from_transfer(

@@ -45,6 +45,16 @@
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [get, list, watch, create, patch]
+# server-side apply of the per-CR NetworkPolicies (create: apply may create)
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch]
+# check that Secrets a CR references exist, reading metadata only (PartialObjectMetadata); no
+# list/watch. RBAC cannot narrow get to metadata or to names known only at runtime
+# (docs/security.md)
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
 # find engine pods to read their metrics; also required to grant the router pods get/list/watch
 # (RBAC lets a subject grant only what it holds)
 - apiGroups: [""]

@@ -60,6 +60,7 @@ def test_rbac_covers_every_rendered_kind_with_apply_verbs() -> None:
         "StatefulSet": "statefulsets",
         "PodDisruptionBudget": "poddisruptionbudgets",
         "Deployment": "deployments",
+        "NetworkPolicy": "networkpolicies",
     }
     granted = {(g, r): set(v) for gs, rs, v, _ in rbac.RULES for g in gs for r in rs}
     for obj in render(make_inference("r").obj()).objects:

@@ -19,7 +19,7 @@ def test_render_prints_all_objects_of_every_example(capsys) -> None:
         for d in yaml.safe_load_all(Path(p).read_text())
         if d and d.get("kind") == "DisaggregatedInference"
     )
-    assert len(docs) == 12 * crs
+    assert len(docs) == 14 * crs  # 12 workload objects + 2 NetworkPolicies
     assert all("ownerReferences" not in d["metadata"] for d in docs)
 
 
