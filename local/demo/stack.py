@@ -65,8 +65,9 @@ def demo_cr(name: str, namespace: str, model: Path, prefill: int = 1, decode: in
 class Stack:
     """The running pieces; each attribute is set once its step has started."""
 
-    def __init__(self, workdir: Path, report: Report = print) -> None:
+    def __init__(self, workdir: Path, report: Report = print, pod_cidr: str = POD_CIDR) -> None:
         self.workdir = Path(workdir).resolve()
+        self.pod_cidr = pod_cidr
         self.report = report
         self.plane: ControlPlane | None = None
         self.operator: subprocess.Popen[bytes] | None = None
@@ -110,7 +111,7 @@ class Stack:
 
     def start_agent(self) -> None:
         plane = self._plane()
-        self.agent = NodeAgent(str(plane.kubeconfig), AGENT_NODE, POD_CIDR, str(self.workdir / "node"))
+        self.agent = NodeAgent(str(plane.kubeconfig), AGENT_NODE, self.pod_cidr, str(self.workdir / "node"))
         self.agent.start()
 
     def apply(self, obj: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import tempfile
 import threading
 import time
@@ -44,7 +45,8 @@ class NodeAgent:
     ) -> None:
         self.kubeconfig, self.node = kubeconfig, node
         self.addresses = alloc.AddressPool(pod_cidr)
-        self.network = NodeNetwork(f"kvf-{node}", pod_cidr)
+        # Named per process: a test's agent and the demo's may run side by side for the same node name.
+        self.network = NodeNetwork(f"kvf-{node}-{os.getpid()}", pod_cidr)
         self.cores = alloc.CorePool(cores, max_exclusive_cores)
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"kvferry-node-{node}-"))
         self.bin_dir = image.write_bin_dir(self.workdir / "bin")

@@ -30,6 +30,7 @@ from kvferry.local.nodeagent import image
 pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.timeout(1800)]
 
 NS, NAME = "demo-e2e", "tiny"
+POD_CIDR = "10.213.1.0/24"
 PODS_READY_S = 900.0
 STATUS_S = 120.0
 SINGLE_READY_S = 300.0
@@ -98,7 +99,7 @@ def _healthy(url: str, proc: subprocess.Popen[bytes], work: Path) -> bool:
 
 @pytest.fixture(scope="module")
 def stack(single_outputs: list[str], tmp_path_factory: pytest.TempPathFactory):
-    st = Stack(tmp_path_factory.mktemp("demo"))
+    st = Stack(tmp_path_factory.mktemp("demo"), pod_cidr=POD_CIDR)  # not the demo's: both may run at once
     try:
         st.build()
         st.start_plane()
@@ -136,7 +137,7 @@ def _transfer(stack: Stack) -> dict[str, Any]:
 def test_pods_get_their_own_ip_and_core(stack: Stack, router: str) -> None:
     pods = {p["metadata"]["labels"]["kvferry.io/role"]: p for p in stack.pods(NS) if pod_ready(p)}
     ips = {role: p["status"]["podIP"] for role, p in pods.items()}
-    assert len(set(ips.values())) == 3 and all(ip.startswith("10.213.0.") for ip in ips.values())
+    assert len(set(ips.values())) == 3 and all(ip.startswith("10.213.1.") for ip in ips.values())
     assert router == f"http://{ips['router']}:8000"
     agent = stack.agent
     assert agent is not None
