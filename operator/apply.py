@@ -11,6 +11,7 @@ say); fields we never render (HPA-owned replicas, other controllers' annotations
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import Counter
@@ -63,15 +64,7 @@ class Kube:
 
     @classmethod
     def from_kubeconfig(cls, path: str | None = None) -> Kube:
-        """In-cluster credentials when running in a pod, else the kubeconfig (KUBECONFIG or `path`)."""
-        cfg = client.Configuration()
-        try:
-            if path:
-                raise config.ConfigException("explicit kubeconfig")
-            config.load_incluster_config(client_configuration=cfg)
-        except config.ConfigException:
-            config.load_kube_config(config_file=path, client_configuration=cfg)
-        return cls(client.ApiClient(cfg))
+        return cls(client.ApiClient(load_configuration(path)))
 
     def close(self) -> None:
         self.api.close()
@@ -178,6 +171,23 @@ class Kube:
             content_type="application/merge-patch+json",
         )
         return self._ok(code, data, f"patch status {namespace}/{name}")
+
+
+def load_configuration(path: str | None = None) -> client.Configuration:
+    """`path` if given, else in-cluster credentials, else $KUBECONFIG read now.
+
+    (The kubernetes package reads KUBECONFIG once at import, so a value set later would be ignored.)
+    """
+    cfg = client.Configuration()
+    if path:
+        config.load_kube_config(config_file=path, client_configuration=cfg)
+        return cfg
+    try:
+        config.load_incluster_config(client_configuration=cfg)
+    except config.ConfigException:
+        env = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or None
+        config.load_kube_config(config_file=env, client_configuration=cfg)
+    return cfg
 
 
 def now_iso() -> str:

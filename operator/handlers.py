@@ -9,15 +9,17 @@ Handlers return None so kopf writes nothing into status; its progress lives in k
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import kopf
 from kvferry.operator import names, reconcile, scrape, selfmetrics
-from kvferry.operator.apply import Kube
+from kvferry.operator.apply import Kube, load_configuration
 from kvferry.operator.config import OperatorConfig
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 
 CR = (GROUP, VERSION, PLURAL)
+log = logging.getLogger("kvferry.operator")
 MANAGED = {names.LABEL_MANAGED_BY: names.MANAGED_BY}
 # (group, version, plural) of managed kinds whose edits are corrected at once; others by the resync timer.
 WATCHED = [
@@ -82,10 +84,21 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         memo.fetch = scrape.http_fetcher(cfg.metrics_timeout)
 
     @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        # A private registry gets none of kopf's default login handlers: use the kubernetes client's
-        # credential loading (in-cluster token, else KUBECONFIG), like the Kube client does.
-        return kopf.login_via_client(**kwargs)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        # A private registry gets none of kopf's default login handlers; kopf must use exactly the
+        # credentials our own client uses (--kubeconfig, else in-cluster, else KUBECONFIG).
+        c = load_configuration(cfg.kubeconfig or None)
+        header = c.get_api_key_with_prefix("BearerToken") or ""
+        scheme, _, token = header.rpartition(" ")
+        return kopf.ConnectionInfo(
+            server=c.host,
+            ca_path=c.ssl_ca_cert,
+            insecure=not c.verify_ssl,
+            scheme=scheme or None,
+            token=token or None,
+            certificate_path=c.cert_file,
+            private_key_path=c.key_file,
+        )
 
     @kopf.on.cleanup(registry=registry)
     def close(memo: kopf.Memo, **_: Any) -> None:
@@ -120,6 +133,13 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             key = owner_key(body)
             cr = _first(inferences, key) if key else None
             if cr is None or event.get("type") not in ("MODIFIED", "DELETED"):
+                log.debug(
+                    "owned event %s %s: owner %s %s",
+                    event.get("type"),
+                    body.get("kind"),
+                    key,
+                    "known" if cr else "not indexed",
+                )
                 return
             if cr["metadata"].get("deletionTimestamp"):
                 return  # the GC is removing everything; re-applying would fight it

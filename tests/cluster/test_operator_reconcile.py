@@ -87,7 +87,8 @@ def test_p5en_pods_land_on_p5en_nodes_with_efa_and_the_cr_turns_ready(cluster, o
 
 
 def test_scale_decode_with_kubectl_scale_and_prefill_with_a_patch(cluster, operator) -> None:
-    cluster.apply(make_inference("s").obj())
+    # No preset: pods request nothing, so 2 prefill + 3 decode fit the one small cpu node.
+    cluster.apply(make_inference("s", accelerator="none", image="vllm:1").obj())
     wait_until(lambda: cluster.ready("s"), "CR s Ready")
     cluster.kubectl("scale", "disaggregatedinference/s", "--replicas=3")
     cluster.kubectl(
