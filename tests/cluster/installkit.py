@@ -79,12 +79,12 @@ def apply_yaml(plane: ControlPlane, namespace: str, doc: dict[str, Any], *flags:
     return res.stdout.strip()
 
 
-def example(name: str, **overrides: Any) -> dict[str, Any]:
-    """An example CR from manifests/examples/, with top-level spec keys or metadata.name replaced."""
-    doc = yaml.safe_load((EXAMPLES / name).read_text())
-    if "name" in overrides:
-        doc["metadata"]["name"] = overrides.pop("name")
-    doc["spec"].update(overrides)
+def example(filename: str, *, cr_name: str | None = None, **spec: Any) -> dict[str, Any]:
+    """An example CR from manifests/examples/, optionally renamed and with top-level spec keys replaced."""
+    doc = yaml.safe_load((EXAMPLES / filename).read_text())
+    if cr_name:
+        doc["metadata"]["name"] = cr_name
+    doc["spec"].update(spec)
     return doc
 
 

@@ -52,7 +52,7 @@ def operator(
 
 
 def cr(plane: ControlPlane, ns: str, name: str) -> dict[str, Any]:
-    return get_json(plane, "disaggregatedinference", name, "-n", ns)
+    return get_json(plane, "disaggregatedinference", name, "-n", ns, "--show-managed-fields")
 
 
 def sts_generations(plane: ControlPlane, ns: str, name: str) -> dict[str, int]:
@@ -65,7 +65,7 @@ def sts_generations(plane: ControlPlane, ns: str, name: str) -> dict[str, int]:
 def test_client_side_apply_twice_changes_nothing(
     control_plane: ControlPlane, gitops_ns: str, operator: OperatorProcess
 ) -> None:
-    doc = example("cpu-tiny.yaml", name="csa")
+    doc = example("cpu-tiny.yaml", cr_name="csa")
     assert apply_yaml(control_plane, gitops_ns, doc).endswith("created")
     first = wait_reconciled(control_plane, gitops_ns, "csa", operator)
     sts = sts_generations(control_plane, gitops_ns, "csa")
@@ -79,7 +79,7 @@ def test_client_side_apply_twice_changes_nothing(
 def test_server_side_apply_twice_changes_nothing(
     control_plane: ControlPlane, gitops_ns: str, operator: OperatorProcess
 ) -> None:
-    doc = example("cpu-tiny.yaml", name="ssa")
+    doc = example("cpu-tiny.yaml", cr_name="ssa")
     flags = ("--server-side", "--field-manager=argocd-controller")
     apply_yaml(control_plane, gitops_ns, doc, *flags)
     first = wait_reconciled(control_plane, gitops_ns, "ssa", operator)
@@ -97,7 +97,7 @@ def test_server_side_apply_twice_changes_nothing(
 def test_the_operator_never_writes_the_spec(
     control_plane: ControlPlane, gitops_ns: str, operator: OperatorProcess
 ) -> None:
-    doc = example("cpu-tiny.yaml", name="owned")
+    doc = example("cpu-tiny.yaml", cr_name="owned")
     apply_yaml(control_plane, gitops_ns, doc, "--server-side", "--field-manager=flux")
     wait_reconciled(control_plane, gitops_ns, "owned", operator)
     entries = cr(control_plane, gitops_ns, "owned")["metadata"]["managedFields"]
@@ -111,7 +111,7 @@ def test_the_operator_never_writes_the_spec(
 def test_replicas_owned_by_an_autoscaler_are_left_alone(
     control_plane: ControlPlane, gitops_ns: str, operator: OperatorProcess
 ) -> None:
-    doc = example("cpu-tiny.yaml", name="hpa")
+    doc = example("cpu-tiny.yaml", cr_name="hpa")
     doc["spec"]["decode"] = {"replicas": 1, "replicasOwner": "autoscaler"}
     apply_yaml(control_plane, gitops_ns, doc, "--server-side", "--field-manager=argocd-controller")
     wait_reconciled(control_plane, gitops_ns, "hpa", operator)
