@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench": ("kvferry.connector.loadbench", "main", "TTFT/TPOT sweep against an OpenAI endpoint"),
     "serve": ("kvferry.connector.serve", "main", "start vLLM with kvferry's launch fixes"),
     "preflight": ("kvferry.connector.preflight", "main", "check NIXL, backend plugins and EFA"),
+    "inject": ("kvferry.connector.inject", "main", "copy the connector into DIR for a stock vLLM image"),
     "render": ("kvferry.operator.render_cli", "main", "print the objects a DisaggregatedInference makes"),
     "operator": ("kvferry.operator.run", "main", "run the operator (kopf)"),
     "crd": ("kvferry.operator.crdgen", "main", "write the CRD generated from operator/spec.py"),

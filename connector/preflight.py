@@ -92,10 +92,34 @@ def export(checks: list[Check], registry: CollectorRegistry) -> None:
         gauge.labels(c.name).set(1 if c.ok else 0)
 
 
+TERMINATION_LOG = Path("/dev/termination-log")
+# The operator recognises a failed start-up preflight by this prefix in a container's termination
+# message (operator/podchecks.py); keep the two in step.
+FAILED_PREFIX = "kvferry preflight failed: "
+
+
+def failure_message(checks: list[Check], limit: int = 4000) -> str:
+    """One line naming every failed check, short enough for a termination message (4 KiB max)."""
+    failed = "; ".join(f"{c.name}: {c.detail}" for c in checks if not c.ok)
+    return (FAILED_PREFIX + failed)[:limit]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvferry preflight", description=__doc__.splitlines()[0])
     parser.add_argument("--backends", nargs="+", help="NIXL backends (default: the config's, LIBFABRIC)")
     parser.add_argument("--extra-config", default="{}", help="kv_connector_extra_config JSON")
+    parser.add_argument(
+        "--startup",
+        action="store_true",
+        help="pod start-up mode: also check the vLLM and NIXL versions and that the connector's vLLM "
+        "glue imports (connector/compat.py)",
+    )
+    parser.add_argument(
+        "--termination-log",
+        type=Path,
+        default=None,
+        help=f"on failure write the failed checks here (in a pod: {TERMINATION_LOG})",
+    )
     args = parser.parse_args(argv)
     try:
         extra = json.loads(args.extra_config)
@@ -105,9 +129,26 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, json.JSONDecodeError) as exc:
         print(f"preflight: bad configuration: {exc}")
         return 2
-    checks = run_checks(cfg)
+    checks = []
+    if args.startup:
+        from kvferry.connector.compat import startup_checks
+
+        checks += startup_checks()
+    checks += run_checks(cfg)
     for c in checks:
         print(f"{'ok  ' if c.ok else 'FAIL'} {c.name:<18} {c.detail}")
     ok = all(c.ok for c in checks)
     print("preflight passed" if ok else "preflight FAILED")
+    if not ok and args.termination_log:
+        args.termination_log.write_text(failure_message(checks))
     return 0 if ok else 1
+
+
+if __name__ == "__main__":  # `python -m kvferry.connector.preflight`: the pod's start-up step
+    import sys
+
+    code = main()
+    sys.stdout.flush()
+    # Exit without interpreter teardown: after importing vLLM and creating a NIXL agent, teardown can
+    # wait on library threads, and the vLLM server must start right after this step.
+    os._exit(code)

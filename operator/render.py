@@ -13,7 +13,7 @@ from typing import Any
 
 import jinja2
 import yaml
-from kvferry.operator import names, security
+from kvferry.operator import injection, names, security
 from kvferry.operator.presets import PodPlan, merge
 from kvferry.operator.spec import GROUP, KIND, VERSION, Spec, parse_spec
 
@@ -58,12 +58,15 @@ def revision_of(spec: Spec, plans: dict[str, PodPlan]) -> str:
     TP size, replicas and per-role args are left out on purpose: the connector maps across TP
     sizes, and changing one role's extras must not break pairing with the other role.
     """
+    kv = asdict(spec.kv_transfer)
+    if kv["connector_source"] == "image":
+        del kv["connector_source"]  # the default leaves revisions of existing CRs unchanged
     shared = {
         "model": spec.model,
         "served": spec.served_model_name,
         "accelerator": spec.accelerator,
         "images": sorted({plan.image for plan in plans.values()}),
-        "kvTransfer": asdict(spec.kv_transfer),
+        "kvTransfer": kv,
         "backends": plans["prefill"].backends,
         "vllm": asdict(spec.vllm),
     }
@@ -161,6 +164,7 @@ def role_context(
         "grace_seconds": PRESTOP_SECONDS + shutdown + GRACE_MARGIN_SECONDS,
         "side_channel_port": spec.kv_transfer.side_channel_port,
         "kv_transfer_json": kv_json,
+        "inject": None,  # set by render() for connectorSource inject (injection.py)
     }
 
 
@@ -250,7 +254,9 @@ def render(
         rspec = getattr(spec, role)
         current = observed.get(role)
         replicas = current if rspec.replicas_owner == "autoscaler" and current is not None else rspec.replicas
-        roles.append(role_context(spec, cr_name, role, plans[role], revision, replicas))
+        ctx = role_context(spec, cr_name, role, plans[role], revision, replicas)
+        ctx["inject"] = injection.context(spec, plans[role], spec.router.image or router_image)
+        roles.append(ctx)
     context = {
         "namespace": namespace,
         "http_port": names.HTTP_PORT,

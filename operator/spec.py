@@ -93,6 +93,13 @@ class KvTransfer:
     side_channel_port: int = f(
         "NIXL side-channel port on every engine pod.", 5600, minimum=1024, maximum=65535
     )
+    connector_source: str = f(
+        "Where the kvferry connector comes from. image: the vLLM image has it installed (kvferry's vLLM "
+        "image). inject: an init container copies it from the operator image into a stock vLLM image "
+        "(on PYTHONPATH), and a start-up preflight refuses a vLLM or NIXL the connector cannot use.",
+        "image",
+        enum=["image", "inject"],
+    )
 
 
 @dataclass
@@ -349,6 +356,13 @@ RULES: list[Rule] = [
         "kvTransfer.backends cannot contain LIBFABRIC on the cpu preset: NIXL's LIBFABRIC plugin needs EFA "
         "with GPUDirect RDMA; use UCX",
         lambda s: s.accelerator != "cpu" or "LIBFABRIC" not in s.kv_transfer.backends,
+    ),
+    Rule(
+        ".kvTransfer.connectorSource",
+        "self.kvTransfer.connector == 'kvferry' || self.kvTransfer.connectorSource == 'image'",
+        "kvTransfer.connectorSource inject needs kvTransfer.connector kvferry (the upstream vllm connectors "
+        "ship inside vLLM)",
+        lambda s: s.kv_transfer.connector == "kvferry" or s.kv_transfer.connector_source == "image",
     ),
     Rule(
         ".image",

@@ -97,6 +97,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("unknown-policy", make_inference("bad15").router(policy="random").obj(), "spec.router.policy"),
     ("name-too-long", make_inference("x" * 50).obj(), "metadata.name"),
+    (
+        "inject-upstream-connector",
+        make_inference("bad16").kv(connector="vllm", connectorSource="inject").obj(),
+        "spec.kvTransfer.connectorSource",
+    ),
 ]
 
 VALID = {
