@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-from kvferry.operator import names, selfmetrics, status, transfer_metrics
+from kvferry.operator import names, podchecks, remedies, selfmetrics, status, transfer_metrics
 from kvferry.operator.apply import Kube, now_iso
 from kvferry.operator.config import OperatorConfig
 from kvferry.operator.reconcile import Event, write_status
@@ -60,6 +60,7 @@ def scrape(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, fetch: Fetch) ->
         return []  # nothing rendered yet
     template = meta.get("annotations", {}).get(names.ANNOTATION_METRICS_URL) or cfg.metrics_url
     pods = kube.list("Pod", meta["namespace"], {names.LABEL_NAME: names.fit(meta["name"])})
+    refusal = podchecks.start_failure(pods)  # a kvferry start-up step refused: pods never serve
     texts = {
         role: [t for t in map(fetch, urls) if t is not None]
         for role, urls in metrics_urls(pods, template).items()
@@ -77,6 +78,9 @@ def scrape(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, fetch: Fetch) ->
             efa=spec.get("accelerator") in EFA_ACCELERATORS,
             now=now,
         )
+        if refusal is not None:
+            verdict = ("False", *refusal)
+        verdict = (verdict[0], verdict[1], remedies.explain(verdict[1], verdict[2]))
         verdicts.append(verdict)
         gen = prev.get("observedGeneration", 0)
         conditions = status.set_condition(

@@ -39,6 +39,9 @@ class Reason(str, Enum):
     WRONG_BACKEND = "UCXOnEFA"
     DECODE_RECOMPUTES = "DecodeRecomputes"
     METRICS_UNAVAILABLE = "MetricsUnavailable"
+    # TransferHealthy from engine pods' termination messages (podchecks.py)
+    PREFLIGHT_FAILED = "PreflightFailed"
+    INJECT_FAILED = "ConnectorInjectFailed"
 
 
 class EventReason(str, Enum):

@@ -1,0 +1,99 @@
+"""Remedies step: for every condition reason, what a person should do (pure).
+
+Appended to TransferHealthy messages so `kubectl describe disaggregatedinference NAME` says what to fix,
+and the source of docs/troubleshooting.md's checklist (tests/unit/operator/test_operability_remedies.py
+checks every Reason has an entry in both places).
+"""
+
+from __future__ import annotations
+
+from kvferry.operator.status import Reason
+
+FIXES: dict[Reason, str] = {
+    Reason.ALL_READY: "nothing to do",
+    Reason.RECONCILED: "nothing to do",
+    Reason.TRANSFERS_OK: "nothing to do",
+    Reason.ROLLING_OUT: "wait; `kubectl rollout status statefulset/NAME-prefill` shows progress",
+    Reason.SCALING: "wait; pods are being added or removed",
+    Reason.PODS_NOT_READY: (
+        "`kubectl describe pod` the engine pods: model still loading (startup probe), image pull, "
+        "unschedulable (EFA/GPU resources), or a crash"
+    ),
+    Reason.ROUTER_NOT_READY: "`kubectl logs deploy/NAME-router`: discovery RBAC or config errors",
+    Reason.OBJECTS_MISSING: "wait one reconcile; if it persists, read the operator log",
+    Reason.INVALID_SPEC: "correct the field the message names (kubectl explain disaggregatedinference.spec)",
+    Reason.APPLY_FAILED: "read the API error in the message: RBAC of the operator, quota, or admission",
+    Reason.SECRET_MISSING: "create the Secret the message names in the CR's namespace",
+    Reason.TRANSFER_UNHEALTHY: "see the TransferHealthy condition's reason",
+    Reason.NO_TRAFFIC: "send a request through the router endpoint (status.endpoint)",
+    Reason.TRANSFER_FAILURES: (
+        "check the failure reason in status.transfer.lastFailure; deadline/lease_expired: raise "
+        "kvTransfer.deadlineSeconds/leaseSeconds or add decode pods; handshake_failed: side-channel port "
+        "blocked (NetworkPolicy, security groups)"
+    ),
+    Reason.WRONG_BACKEND: (
+        "set spec.kvTransfer.backends to [LIBFABRIC] (or leave it empty for the EFA preset's) and remove "
+        "any backends override from the image or extraArgs"
+    ),
+    Reason.DECODE_RECOMPUTES: (
+        "KV is not arriving: check TransferFailures, that prefill and decode share a revision, and the "
+        "router mode; kvTransfer.loadFailurePolicy recompute hides failed loads"
+    ),
+    Reason.METRICS_UNAVAILABLE: (
+        "the operator cannot read the engines' /metrics: pods not Running, a NetworkPolicy blocking the "
+        "operator, or a wrong kvferry.io/metrics-url annotation"
+    ),
+    Reason.PREFLIGHT_FAILED: (
+        "use a vLLM image whose vLLM and NIXL the connector supports (spec.image; vLLM >= 0.32, "
+        "NIXL >= 1.5, the backend plugin present), or kvTransfer.connectorSource image with kvferry's image"
+    ),
+    Reason.INJECT_FAILED: (
+        "the init container could not copy the connector: check the operator image (spec.router.image) "
+        "and `kubectl logs POD -c kvferry-inject`"
+    ),
+}
+HEALTHY = {Reason.ALL_READY, Reason.RECONCILED, Reason.TRANSFERS_OK}
+
+
+def explain(reason: Reason, message: str) -> str:
+    """`message` plus what to do about it (unchanged for healthy reasons)."""
+    if reason in HEALTHY or reason not in FIXES:
+        return message
+    return f"{message}. Fix: {FIXES[reason]}"
+
+
+# Conditions each non-TransferHealthy reason can appear on (status.py summarize / degraded_from_transfer).
+_CONDITIONS = {
+    Reason.ALL_READY: "Ready",
+    Reason.RECONCILED: "Progressing, Degraded",
+    Reason.INVALID_SPEC: "Ready, Progressing, Degraded",
+    Reason.APPLY_FAILED: "Ready, Progressing, Degraded",
+    Reason.TRANSFER_UNHEALTHY: "Degraded",
+    Reason.SECRET_MISSING: "Degraded",
+    **{
+        r: "Ready, Progressing"
+        for r in (
+            Reason.ROLLING_OUT,
+            Reason.SCALING,
+            Reason.PODS_NOT_READY,
+            Reason.ROUTER_NOT_READY,
+            Reason.OBJECTS_MISSING,
+        )
+    },
+}
+
+
+def condition_types(reason: Reason) -> str:
+    """Which conditions may carry `reason` (the rest are TransferHealthy's, set by the metrics timer)."""
+    return _CONDITIONS.get(reason, "TransferHealthy")
+
+
+def table() -> str:
+    """The reason table of docs/troubleshooting.md (`python -m kvferry.operator.remedies`)."""
+    rows = ["| reason | condition | what to do |", "|---|---|---|"]
+    rows += [f"| `{r.value}` | {condition_types(r)} | {FIXES[r]} |" for r in Reason]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table())
