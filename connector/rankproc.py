@@ -49,7 +49,9 @@ class RankProcess:
         assert self.proc.pid is not None
         return self.proc.pid
 
-    def call(self, op: str, *args: Any, timeout_s: float = 30.0) -> Any:
+    def call(self, op: str, *args: Any, timeout_s: float = 60.0) -> Any:
+        if op == "results":  # the child waits up to args[0] itself: leave it room to answer
+            timeout_s = max(timeout_s, args[0] + 30.0)
         self.conn.send((op, args))
         return self._reply(timeout_s)
 

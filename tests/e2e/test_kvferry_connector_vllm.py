@@ -43,9 +43,13 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def pd(tiny_model: Path, reference: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """P on core 0, D on core 1, both with KvferryConnector; stopped by PID (process group)."""
+@pytest.fixture(scope="module", params=[(None, None), (128, 64)], ids=["same-blocks", "P128-D64"])
+def pd(
+    request: pytest.FixtureRequest, tiny_model: Path, reference: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict]:
+    """P on core 0, D on core 1, both with KvferryConnector (same block size: prepped descriptor lists;
+    P 128 / D 64 tokens: per-request coalesced mapping); stopped by PID (process group)."""
+    blocks = dict(zip(("prefill", "decode"), request.param, strict=True))
     logs = tmp_path_factory.mktemp("kvferry-pd")
     servers = {
         role: VllmProcess(
@@ -57,6 +61,7 @@ def pd(tiny_model: Path, reference: Any, tmp_path_factory: pytest.TempPathFactor
                 engine_id=f"{role}-0",
                 side_port=free_port(),
                 cores=cores,
+                block_size=blocks[role],
                 connector_extra=dict(EXTRA),
             ),
             logs / f"{role}.log",

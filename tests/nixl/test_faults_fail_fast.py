@@ -102,19 +102,19 @@ def test_producer_killed_turns_into_a_deadline_failure(procs):
 
 def test_consumer_killed_mid_transfer_releases_producer_blocks(procs):
     big = CacheShape(block_size=128, num_blocks=64, layers=4, heads=8, head_dim=128)  # 32 MiB per request
-    slow = {"lease_s": 20.0, "registration_ttl_s": 20.0}  # filling 32 MiB takes a while on a busy box
+    slow = {"lease_s": 20.0, "registration_ttl_s": 20.0}  # a busy box may take seconds per step
     (prod,) = procs.start("producer", "prefill-0", big, **slow)
     (cons,) = procs.start("consumer", "decode-0", big, **slow)
     (other,) = procs.start("consumer", "decode-1", big, **slow)
     tokens, blocks = 128 * 32, list(range(32))
     cons.call("expect", "r", 0, expect_args(prod, blocks, tokens))
     time.sleep(0.5)
-    prod.call("finish", "r", 0, blocks, tokens, "decode-0")
+    prod.call("finish", "r", 0, blocks, tokens, "decode-0", False)  # contents do not matter here
     cons.kill()  # while the WRITE is posted or in flight
     out = prod.call("results", 30.0, 1)  # bounded: the WRITE completes or fails, blocks are released
     assert out["sent"] == [("r", 0)] or out["released"] == [(("r", 0), "failed")], out
     other.call("expect", "r2", 0, expect_args(prod, blocks, tokens))
-    prod.call("finish", "r2", 0, blocks, tokens, "decode-1")
+    prod.call("finish", "r2", 0, blocks, tokens, "decode-1", False)
     assert other.call("results", 30.0, 1)["received"] == [("r2", 0)]
 
 
