@@ -88,10 +88,11 @@ class OperatorProcess:
         assert exe, "kvferry console script not on PATH (source scripts/env.sh)"
         self.log = log
         self.liveness = f"127.0.0.1:{reserve_ports(1)[0]}"
+        mode = [] if "--peering" in args else ["--standalone"]  # peering = leader election
         argv = [
             exe,
             "operator",
-            "--standalone",
+            *mode,
             "-n",
             namespace,
             "--kubeconfig",

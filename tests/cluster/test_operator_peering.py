@@ -1,0 +1,28 @@
+"""Two operator replicas with kopf peering: one leads and reconciles, the other stands by."""
+
+from __future__ import annotations
+
+from tests.cluster.operator_fixtures import *  # noqa: F403
+from tests.cluster.operator_fixtures import EXPECTED_KINDS, kinds_of, wait_until
+from tests.unit.operator.cases import make_inference
+
+
+def test_two_replicas_elect_one_leader_and_still_reconcile(cluster, start_operator) -> None:
+    # The peering object the chart creates next to the operator (kopf does not create it itself).
+    cluster.plane.kubectl(
+        "-n",
+        cluster.ns,
+        "apply",
+        "-f",
+        "-",
+        input="apiVersion: kopf.dev/v1\nkind: KopfPeering\nmetadata: {name: kvferry}\n",
+    )
+    low = start_operator("--peering", "kvferry", "--priority", "10")
+    high = start_operator("--peering", "kvferry", "--priority", "20")
+    wait_until(
+        lambda: "Pausing operations in favour of" in low.text(), "the low-priority replica to pause", 90
+    )
+    cluster.apply(make_inference("lead", accelerator="none", image="vllm:1").obj())
+    wait_until(lambda: kinds_of(cluster.owned("lead")) == EXPECTED_KINDS, "objects made by the leader")
+    assert "Handler 'reconcile' succeeded" in high.text()
+    assert "Handler 'reconcile' succeeded" not in low.text()
