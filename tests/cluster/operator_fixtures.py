@@ -204,6 +204,21 @@ class Cluster:
             and cr["status"].get("observedGeneration") == cr["metadata"]["generation"]
         )
 
+    def wait_ready(self, name: str, what: str = "", timeout_s: float = WAIT_S) -> None:
+        """Wait for Ready=True on the current generation; on timeout say why (conditions, pods)."""
+        try:
+            wait_until(lambda: self.ready(name), what or f"{name} Ready", timeout_s)
+        except AssertionError as exc:
+            conds = [
+                (c["type"], c["status"], c["reason"], c["message"][:160])
+                for c in self.cr(name).get("status", {}).get("conditions", [])
+            ]
+            pods = [
+                (p["metadata"]["name"], p["status"].get("phase"), p["spec"].get("nodeName"))
+                for p in self.pods(name)
+            ]
+            raise AssertionError(f"{exc}\nconditions: {conds}\npods: {pods}") from None
+
     def get(self, kind: str, name: str) -> dict[str, Any] | None:
         res = self.kubectl("get", kind, name, "-o", "json", check=False)
         return json.loads(res.stdout) if res.returncode == 0 else None

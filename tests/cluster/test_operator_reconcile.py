@@ -177,7 +177,7 @@ def test_operator_killed_mid_reconcile_converges_after_restart(cluster, start_op
     assert partial != EXPECTED_KINDS, f"reconcile finished before the kill: {partial}"
     start_operator()
     wait_until(lambda: kinds_of(cluster.owned("crash")) == EXPECTED_KINDS, "all objects after restart")
-    wait_until(lambda: cluster.ready("crash"), "Ready after restart")
+    cluster.wait_ready("crash", "Ready after restart", 90)
 
 
 def test_the_operator_service_account_is_not_cluster_admin(control_plane, operator_kubeconfig) -> None:
