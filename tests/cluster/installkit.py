@@ -50,20 +50,23 @@ def wait_for(what: str, pred: Callable[[], Any], timeout_s: float, interval_s: f
     raise TimeoutError(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")
 
 
-def helm_install(plane: ControlPlane, release: str, namespace: str, *settings: str, upgrade: bool = False):
-    """`helm install` (or `upgrade`) the chart, adopting CRDs another test or release already created."""
+def helm_install(
+    plane: ControlPlane,
+    release: str,
+    namespace: str,
+    *settings: str,
+    upgrade: bool = False,
+    wait: bool = False,
+):
+    """`helm install` (or `upgrade`) the chart, adopting CRDs another test or release already created.
+
+    `wait`: until the operator Deployment is available (kwok runs its pod). Tests that run the operator
+    locally only need the objects, so they skip the wait.
+    """
     verb = ["upgrade", "--reuse-values"] if upgrade else ["install"]
-    args = [
-        *verb,
-        release,
-        str(CHART),
-        "-n",
-        namespace,
-        "--take-ownership",
-        "--wait",
-        "--timeout",
-        HELM_TIMEOUT,
-    ]
+    args = [*verb, release, str(CHART), "-n", namespace, "--take-ownership"]
+    if wait:
+        args += ["--wait", "--timeout", HELM_TIMEOUT]
     for setting in settings:
         args += ["--set", setting]
     return plane.helm(*args, timeout_s=180)

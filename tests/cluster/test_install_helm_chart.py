@@ -37,7 +37,7 @@ def test_every_mode_renders_objects_the_api_server_accepts(
 
 def test_install_upgrade_uninstall_keeps_the_crd(control_plane: ControlPlane, namespace: str) -> None:
     release = unique("kvferry")
-    helm_install(control_plane, release, namespace)
+    helm_install(control_plane, release, namespace, wait=True)
     deployment = get_json(control_plane, "deployment", release, "-n", namespace)
     assert deployment["status"].get("availableReplicas") == 1
     crd = get_json(control_plane, "crd", CRD)
@@ -45,7 +45,7 @@ def test_install_upgrade_uninstall_keeps_the_crd(control_plane: ControlPlane, na
     assert crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == release
     assert get_json(control_plane, "clusterrole", release)["rules"]
 
-    helm_install(control_plane, release, namespace, "operator.image.tag=0.1.1", upgrade=True)
+    helm_install(control_plane, release, namespace, "operator.image.tag=0.1.1", upgrade=True, wait=True)
     deployment = get_json(control_plane, "deployment", release, "-n", namespace)
     assert deployment["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.1.1")
     history = json.loads(control_plane.helm("history", release, "-n", namespace, "-o", "json").stdout)
