@@ -132,11 +132,18 @@ def health(
     if producer.ucx_on_efa or consumer.ucx_on_efa:
         wrong = wrong or ["UCX"]
     if (efa and wrong) or producer.ucx_on_efa or consumer.ucx_on_efa:
+        # Name the roles, so the message says which pods to look at.
+        roles = [
+            role
+            for role, s in (("prefill", producer), ("decode", consumer))
+            if s.ucx_on_efa or (efa and s.backends - {"LIBFABRIC"})
+        ]
+        who = " and ".join(roles) or "engine"
         return (
             "False",
             Reason.WRONG_BACKEND,
             (
-                f"pods report NIXL backend {', '.join(wrong)} on an EFA preset; only LIBFABRIC reaches EFA "
+                f"{who} pods run NIXL backend {', '.join(wrong)} on EFA nodes; only LIBFABRIC reaches EFA "
                 "bandwidth (UCX falls back to TCP)"
             ),
         )

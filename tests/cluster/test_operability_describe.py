@@ -103,4 +103,5 @@ def test_describe_says_set_backends_to_libfabric_for_ucx_on_efa(cluster, operato
     wait_until(lambda: cluster.condition("u", "TransferHealthy").get("reason") == "UCXOnEFA", "UCXOnEFA")
     out = cluster.kubectl("describe", "disaggregatedinference", "u").stdout
     assert "UCXOnEFA" in out, out
+    assert "prefill and decode pods run NIXL backend UCX on EFA nodes" in out, out
     assert "set spec.kvTransfer.backends to [LIBFABRIC]" in out, out

@@ -83,3 +83,12 @@ def test_failed_inject_init_container_is_named() -> None:
 )
 def test_other_pod_states_are_not_start_up_refusals(pod: dict) -> None:
     assert podchecks.start_failure([pod]) is None
+
+
+def test_ucx_on_efa_names_the_roles_that_run_it() -> None:
+    from kvferry.operator import transfer_metrics as tm
+
+    decode_only = tm.Sample(backends={"UCX"})
+    state, reason, message = tm.health(tm.Sample(backends={"LIBFABRIC"}), decode_only, {}, True, 2)
+    assert (state, reason) == ("False", Reason.WRONG_BACKEND)
+    assert message.startswith("decode pods run NIXL backend UCX on EFA nodes")
