@@ -121,7 +121,7 @@ def rss_mib(pid: int) -> float:
 
 
 def apply(plane: ControlPlane, objs: list[dict]) -> None:
-    plane.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objs), timeout_s=300)
+    plane.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objs), timeout_s=1200)
 
 
 def run(n: int, cpu_nodes: int, workdir: Path) -> None:

@@ -29,7 +29,7 @@ from kvferry.operator.spec import GROUP, PLURAL, VERSION
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_NAMESPACE = "kvferry-system"
 OPERATOR_SA = "kvferry-operator"
-OPERATOR_START_TIMEOUT_S = 60.0
+OPERATOR_START_TIMEOUT_S = 120.0  # generous: the 2-core test box is shared
 WAIT_S = 60.0
 # kopf's APIForbiddenError, our KubeError "HTTP 403: ...", the API server's "... is forbidden: ..."
 FORBIDDEN = re.compile(r"Forbidden|forbidden|HTTP 403")  # default bound for every wait in these tests
