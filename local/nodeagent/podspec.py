@@ -188,7 +188,8 @@ def plan_container(
         )
     env = build_env(pod, container, ctx, lookup)
     pairs = path_map(pod, container, ctx)
-    env = {k: map_paths(v, pairs) for k, v in env.items()}
+    # Only the spec's values are container paths; the agent's own (KUBECONFIG, PATH) are host paths.
+    env = {k: v if ctx.extra_env.get(k) == v else map_paths(v, pairs) for k, v in env.items()}
     argv = [map_paths(expand(a, env), pairs) for a in container["command"] + (container.get("args") or [])]
     cwd = map_paths(container["workingDir"], pairs) if container.get("workingDir") else None
     prefix = ctx.exec_prefix

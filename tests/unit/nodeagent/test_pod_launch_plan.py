@@ -77,6 +77,18 @@ def test_mount_paths_in_args_are_mapped_to_local_volume_dirs() -> None:
     assert plan.argv[4] == "--x=/tmp/pod/volumes/config/a"
 
 
+def test_agent_provided_env_keeps_host_paths_under_a_tmp_mount() -> None:
+    container = {
+        "name": "router",
+        "command": ["kvferry"],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    ctx = podspec.PodContext(**{**CTX.__dict__, "volume_dirs": {"tmp": "/tmp/pod/volumes/tmp"},
+                                "extra_env": {"KUBECONFIG": "/tmp/pod/volumes/sa/kubeconfig"}})  # fmt: skip
+    plan = podspec.plan_container(_pod(container), container, ctx, _no_lookup)
+    assert plan.env["KUBECONFIG"] == "/tmp/pod/volumes/sa/kubeconfig"
+
+
 def test_container_without_command_is_refused_naming_the_image() -> None:
     container = {"name": "vllm", "image": "vllm/vllm-openai:latest"}
     with pytest.raises(podspec.PodSpecError, match="no `command`.*vllm/vllm-openai"):
