@@ -26,6 +26,8 @@ class KvferryConfig:
     backends: list[str] = field(default_factory=lambda: ["LIBFABRIC"])  # NIXL backends, in order
     side_channel_host: str = "127.0.0.1"  # bound and advertised: the pod IP in Kubernetes
     side_channel_port: int = 5600  # TP rank r serves its agent metadata on port + r (0: any free port)
+    # Deployment revision (the operator sets kvferry.io/revision): peers of another revision are rejected.
+    revision: str = ""
     lease_s: float = 30.0  # producer: finished blocks wait this long for a registration
     deadline_s: float = 30.0  # consumer: default wait for KV when a request does not say
     registration_ttl_s: float = 60.0  # producer: a registration waits this long for its prefill

@@ -289,6 +289,11 @@ class Endpoint:
             return [
                 P.Reject("unexpected_engine", f"{type(msg).__name__} claiming {claimed} sent by {sender}")
             ]
+        revision = getattr(msg, "revision", self.cfg.revision)
+        if revision != self.cfg.revision:  # P and D of different revisions never exchange KV
+            return [
+                P.Reject("wrong_revision", f"{type(msg).__name__} of revision {revision!r} from {sender}")
+            ]
         if self.producer is not None and isinstance(msg, Registration):
             return self.producer.registration(msg, now)
         if self.producer is not None and isinstance(msg, Cancel):
@@ -384,7 +389,7 @@ class Endpoint:
                 self.producer.write_finished(key, reg.consumer_rank, False, "handshake_failed", now), now
             )
             return
-        notif = encode(Done(reg.request_id, reg.attempt, self.engine_id, self.tp_rank))
+        notif = encode(Done(reg.request_id, reg.attempt, self.engine_id, self.tp_rank, self.cfg.revision))
         try:
             handle, plan = self.transport.write(
                 agent, action.block_ids, reg.block_ids, reg.num_tokens, notif, mode=self.cfg.descriptors
@@ -418,6 +423,7 @@ class Endpoint:
                         self.incarnation,
                         num_tokens,
                         blocks,
+                        self.cfg.revision,
                     )
                 )
             else:

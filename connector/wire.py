@@ -7,6 +7,8 @@ bad field; nothing is read with a silent default.
 PROTOCOL_VERSION history (bump on any change to a message below; peers must be equal):
   1. PeerInfo (side channel), Registration (D->P), Done (P->D with each WRITE), Failure (P->D),
      Cancel (D->P).
+  2. Registration and Done carry the sender's `revision` (the operator's kvferry.io/revision; "" outside
+     Kubernetes): an engine of another revision is rejected (docs/security.md).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from typing import Any, ClassVar
 import msgpack
 from kvferry.connector.layout import KVLayout, LayoutError, Region
 
-PROTOCOL_VERSION = 1
-MAGIC = b"KVF\x01"  # the last byte is PROTOCOL_VERSION, so a mismatched peer fails on the first byte check
+PROTOCOL_VERSION = 2
+MAGIC = b"KVF\x02"  # the last byte is PROTOCOL_VERSION, so a mismatched peer fails on the first byte check
 
 
 class WireError(ValueError):
@@ -56,6 +58,7 @@ class Registration:
     incarnation: str
     num_tokens: int
     block_ids: list[list[int]]  # per KV group, the consumer's destination blocks
+    revision: str = ""  # the consumer's revision; the producer acts only on its own
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Done:
     attempt: int
     producer_engine: str
     producer_rank: int
+    revision: str = ""  # the producer's revision; the consumer counts only notices of its own
 
 
 @dataclass(frozen=True)

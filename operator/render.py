@@ -73,7 +73,7 @@ def revision_of(spec: Spec, plans: dict[str, PodPlan]) -> str:
     return names.short_hash(json.dumps(shared, sort_keys=True))
 
 
-def kv_transfer_config(spec: Spec, role: str, plan: PodPlan) -> dict[str, Any]:
+def kv_transfer_config(spec: Spec, role: str, plan: PodPlan, revision: str = "") -> dict[str, Any]:
     """vLLM --kv-transfer-config for one role (docs/contracts.md §3). $(VAR)s are expanded by the kubelet."""
     kt = spec.kv_transfer
     base: dict[str, Any] = {
@@ -89,6 +89,7 @@ def kv_transfer_config(spec: Spec, role: str, plan: PodPlan) -> dict[str, Any]:
             "deadline_s": kt.deadline_seconds,
             "side_channel_host": "$(POD_IP)",
             "side_channel_port": kt.side_channel_port,
+            "revision": revision,  # the connector rejects peers of another revision
         }
         return {
             "kv_connector": "KvferryConnector",
@@ -129,7 +130,7 @@ def role_context(
     spec: Spec, cr_name: str, role: str, plan: PodPlan, revision: str, replicas: int | None
 ) -> dict[str, Any]:
     rspec = getattr(spec, role)
-    kv_json = json.dumps(kv_transfer_config(spec, role, plan), separators=(",", ":"))
+    kv_json = json.dumps(kv_transfer_config(spec, role, plan, revision), separators=(",", ":"))
     default_drain = spec.kv_transfer.lease_seconds + 30 if role == "prefill" else 60
     shutdown = rspec.shutdown_timeout_seconds if rspec.shutdown_timeout_seconds is not None else default_drain
     identity = [

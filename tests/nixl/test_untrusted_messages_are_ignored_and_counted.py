@@ -92,3 +92,19 @@ def test_consumer_ignores_completion_from_an_engine_it_did_not_ask(procs, rogue)
     assert wait_rejected(cons, "unexpected_engine", 2) == 2
     out = cons.call("results", 10.0, 1)
     assert out["received"] == [] and out["failed"] == [(("r", 0), "registration_expired")]
+
+
+def test_engines_of_another_revision_are_rejected(procs, rogue):
+    """A rollout's old decode and new prefill never exchange KV, even if something pairs them."""
+    (prod,) = procs.start("producer", "prefill-0", SHAPE, revision="rev-new")
+    (cons,) = procs.start("consumer", "decode-0", SHAPE, revision="rev-old")
+    prod.call("finish", "r", 0, [4, 5, 6], 40, "decode-0")
+    cons.call("expect", "r", 0, expect_args(prod, [7, 8, 9], 40, deadline_s=5.0))
+    assert wait_rejected(prod, "wrong_revision", 1) == 1  # the old decode's registration
+    out = cons.call("results", 15.0, 1)
+    assert out["received"] == [] and [key for key, _ in out["failed"]] == [("r", 0)]
+    # A notice that names itself truthfully but carries another revision is not counted either.
+    name = rogue.add_remote_agent(fetch_peer("127.0.0.1", cons.port, 5.0).agent_metadata)
+    rogue.send_notif(name, encode(Done("r2", 0, "decode-x", 0, "rev-new")))
+    pump(rogue)
+    assert wait_rejected(cons, "wrong_revision", 1) == 1
