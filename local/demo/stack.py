@@ -93,7 +93,9 @@ class Stack:
         if not CRD_FILE.is_file():
             raise StackError(f"CRD file {CRD_FILE} is missing (generate it with `kvferry crd`)")
         plane.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
-        plane.kubectl("wait", "--for=condition=Established", f"crd/{PLURAL}.{GROUP}", "--timeout=60s")
+        # Polled here: `kubectl wait` fails at once while the new CRD has no status.conditions yet.
+        path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{PLURAL}.{GROUP}"
+        wait_until("CRD Established", lambda: _established(self._kube().get(path)), 60.0)
 
     def start_operator(self) -> None:
         plane = self._plane()
@@ -174,6 +176,11 @@ class Stack:
 def pod_ready(pod: dict[str, Any]) -> bool:
     conds = {c["type"]: c["status"] for c in (pod.get("status") or {}).get("conditions") or []}
     return conds.get("Ready") == "True" and not pod["metadata"].get("deletionTimestamp")
+
+
+def _established(crd: dict[str, Any]) -> bool:
+    conds = (crd.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Established" and c["status"] == "True" for c in conds)
 
 
 def _port(pod: dict[str, Any], name: str) -> int | None:
