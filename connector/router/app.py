@@ -211,7 +211,10 @@ async def _scrape_loop(state: dict[str, Any]) -> None:
 
 async def _on_startup(app: web.Application) -> None:
     state = app[STATE]
-    state["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    # vLLM's server (uvicorn) drops idle keep-alive connections after 5 s; reusing one it just closed
+    # fails a leg as "unreachable". Expire ours first.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
+    state["session"] = aiohttp.ClientSession(connector=connector)
     state["dispatcher"] = Dispatcher(app[CONFIG], state["session"], state["tracker"], state["metrics"])
     await state["discovery"].start()
     state["scraper"] = asyncio.create_task(_scrape_loop(state))
