@@ -17,7 +17,7 @@ from kvferry.operator import injection, names, security
 from kvferry.operator.presets import PodPlan, merge
 from kvferry.operator.spec import GROUP, KIND, VERSION, Spec, parse_spec
 
-DEFAULT_ROUTER_IMAGE = "kvferry/kvferry:0.1.0"  # the operator image also holds the router
+DEFAULT_ROUTER_IMAGE = "ghcr.io/kvferry/operator:0.1.0"  # the operator image also holds the router
 PRESTOP_SECONDS = 10
 GRACE_MARGIN_SECONDS = 15
 TEMPLATES = (
