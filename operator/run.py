@@ -51,7 +51,8 @@ def parse(argv: list[str]) -> tuple[OperatorConfig, bool]:
             p.error(f"--{name.replace('_', '-')} must be > 0")
     return dataclasses.replace(
         base,
-        namespaces=tuple(args.namespaces or ()) if not args.all_namespaces else (),
+        # Flags win over KVFERRY_NAMESPACES; with neither, the env value (or cluster-wide) stays.
+        namespaces=() if args.all_namespaces else tuple(args.namespaces or base.namespaces),
         kubeconfig=args.kubeconfig,
         standalone=args.standalone,
         peering=args.peering,

@@ -50,6 +50,14 @@ def test_config_from_env_and_flags() -> None:
         parse(["-n", "x", "--all-namespaces"])
 
 
+def test_namespaces_env_survives_flag_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The chart sets KVFERRY_NAMESPACES; an absent flag must not reset it to cluster-wide.
+    monkeypatch.setenv("KVFERRY_NAMESPACES", "a,b")
+    assert parse([])[0].namespaces == ("a", "b")
+    assert parse(["-n", "c"])[0].namespaces == ("c",)
+    assert parse(["--all-namespaces"])[0].namespaces == ()
+
+
 def test_rbac_covers_every_rendered_kind_with_apply_verbs() -> None:
     plural = {
         "ConfigMap": "configmaps",
