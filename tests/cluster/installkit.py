@@ -25,6 +25,8 @@ from typing import Any
 import yaml
 from kvferry.local.controlplane import ControlPlane
 
+from tests.cluster.operator_fixtures import rbac_denials
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvferry"
 EXAMPLES = ROOT / "manifests" / "examples"
@@ -195,11 +197,7 @@ class OperatorProcess:
 
     def forbidden_lines(self) -> list[str]:
         """Log lines reporting an RBAC denial (HTTP 403 / Forbidden) from the API server."""
-        return [
-            line
-            for line in self.text().splitlines()
-            if "403" in line or "forbidden" in line.lower() or "is not allowed" in line
-        ]
+        return rbac_denials(self.text())
 
 
 @contextmanager

@@ -138,11 +138,17 @@ class OperatorProcess:
         return self.proc.returncode
 
     def forbidden(self) -> list[str]:
-        return [
-            line
-            for line in self.text().splitlines()
-            if "403" in line or "Forbidden" in line or "forbidden" in line
-        ]
+        return rbac_denials(self.text())
+
+
+# An HTTP 403 or an API server "forbidden"/"is not allowed" message. The status code must stand alone:
+# a log timestamp's milliseconds ("15:03:18,403") are not a denial.
+_DENIAL = re.compile(r"(?<![\d,.:])\b403\b(?![\d,.:])|forbidden|is not allowed", re.IGNORECASE)
+
+
+def rbac_denials(text: str) -> list[str]:
+    """Log lines that report an RBAC denial from the API server."""
+    return [line for line in text.splitlines() if _DENIAL.search(line)]
 
 
 @pytest.fixture
