@@ -197,8 +197,16 @@ def test_killed_prefill_process_restarts_and_status_recovers(stack: Stack, route
             lambda: int(_transfer(stack).get("failures") or 0) > failures_before,
             STATUS_S,
         )
-    # New requests succeed again, and the status heals.
-    assert all(greedy_texts(router, fixed_prompts(2, seed=5)))
+
+    # New requests succeed again once the router's discovery sees the restarted prefill Ready in its
+    # EndpointSlice (a poll behind the pod status; until then the router answers 503, no engine pair).
+    def serves_again() -> bool:
+        try:
+            return all(greedy_texts(router, fixed_prompts(2, seed=5)))
+        except httpx.HTTPError:
+            return False
+
+    wait_until("the router to serve again after the prefill restart", serves_again, STATUS_S)
     wait_until(
         "TransferHealthy=True after recovery",
         lambda: _condition(stack.get_cr(NS, NAME), "TransferHealthy") == "True",
