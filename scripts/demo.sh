@@ -4,4 +4,4 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 "$here/setup.sh"
 . "$here/env.sh"
-exec kvferry transfer-demo "$@"
+exec kvferry demo "$@"
