@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 from kvferry.connector.params import ConsumerParams, ParamsError, ProducerParams, parse, wants_transfer
+
+from tests.unit.docedit import mutated
 
 PREFILL = {
     "do_remote_decode": True,
@@ -35,18 +35,6 @@ def test_contract_examples_parse():
     assert parse(DECODE, "consumer", 9.0) == ConsumerParams("abc", 2, "prefill-0", "127.0.0.1", 5600, 1, 9.0)
     assert wants_transfer(PREFILL) == "producer" and wants_transfer(DECODE) == "consumer"
     assert wants_transfer({}) is None and wants_transfer(None) is None
-
-
-def mutated(base, path, value):
-    out = copy.deepcopy(base)
-    node = out
-    for key in path[:-1]:
-        node = node[key]
-    if value is KeyError:
-        del node[path[-1]]
-    else:
-        node[path[-1]] = value
-    return out
 
 
 @pytest.mark.parametrize(

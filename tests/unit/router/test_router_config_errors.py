@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 from kvferry.connector.router.config import ConfigError, load_config, parse_config, read_api_key
 
+from tests.unit.docedit import mutated
+
 VALID: dict[str, Any] = {
     "listen": {"host": "127.0.0.1", "port": 8000},
     "mode": "kvferry",
@@ -44,15 +46,7 @@ def test_kubernetes_discovery_parses_with_defaults() -> None:
 
 
 def _broken(path: list[Any], value: Any) -> dict[str, Any]:
-    doc = copy.deepcopy(VALID)
-    node = doc
-    for key in path[:-1]:
-        node = node[key]
-    if value is KeyError:
-        del node[path[-1]]
-    else:
-        node[path[-1]] = value
-    return doc
+    return mutated(VALID, path, value)
 
 
 @pytest.mark.parametrize(
