@@ -24,6 +24,8 @@ from kvferry.connector.config import KvferryConfig
 from kvferry.connector.layout import KVLayout
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.peers import Peers
+from kvferry.connector.preflight import backend_checks, efa_checks
+from kvferry.connector.preflight import record as record_checks
 from kvferry.connector.sidechannel import SideChannelServer
 from kvferry.connector.transport import NixlTransport, TransportError, WritePlan
 from kvferry.connector.wire import (
@@ -222,6 +224,12 @@ class Endpoint:
 
     def _setup(self) -> None:
         self.transport = NixlTransport(self.agent_name, self.cfg)
+        # The start-up preflight, from what this agent really created (kvferry_preflight_ok).
+        checks = backend_checks(self.transport.backends, self.cfg.backends) + efa_checks(self.cfg.backends)
+        record_checks(checks, self.metrics)
+        for c in checks:
+            if not c.ok:
+                log.warning("kvferry preflight: %s: %s", c.name, c.detail)
         self.transport.register(self.layout)
         info = PeerInfo(
             self.engine_id,
@@ -321,7 +329,7 @@ class Endpoint:
             self._writes.remove(w)
             ok = state == "DONE"
             if ok:
-                self.metrics.record("bytes", w.plan.nbytes, self.role)
+                self.metrics.record("bytes", w.plan.nbytes, self.role, self.transport.backend)
                 self.metrics.record("match_to_done", now - w.started)
                 self.metrics.record("transfers", 1, self.role)
                 p = w.plan

@@ -51,7 +51,13 @@ SPECS = (
         "unknown request, duplicate, superseded, unexpected engine, ...)",
         ("role", "reason"),
     ),
-    Spec("bytes", Counter, "kvferry_transfer_bytes", "Bytes moved by completed WRITEs", ("role",)),
+    Spec(
+        "bytes",
+        Counter,
+        "kvferry_transfer_bytes",
+        "Bytes moved by completed WRITEs, by the NIXL backend that moved them",
+        ("role", "backend"),
+    ),
     Spec(
         "descriptors",
         Histogram,
@@ -100,6 +106,13 @@ SPECS = (
         ("role", "kind", "tp_rank"),
     ),
     Spec("handshakes", Counter, "kvferry_handshakes", "Side-channel peer metadata fetches", ("result",)),
+    Spec(
+        "preflight",
+        Gauge,
+        "kvferry_preflight_ok",
+        "1 if a start-up check passed (NIXL backend created, EFA device present for LIBFABRIC), else 0",
+        ("check",),
+    ),
 )
 
 

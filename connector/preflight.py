@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry.connector.config import ConfigError, KvferryConfig
-from prometheus_client import CollectorRegistry, Gauge
+from kvferry.connector.metrics import Metrics
 
 SYS_INFINIBAND = Path("/sys/class/infiniband")
 
@@ -41,21 +41,29 @@ def run_checks(cfg: KvferryConfig, efa_root: Path = SYS_INFINIBAND) -> list[Chec
         checks.append(Check("nixl_import", True, f"nixl._api from {Path(api.__file__).parent.name}"))
     except Exception as exc:  # ImportError, or a CUDA library error from the wrong nixl wheel
         return [Check("nixl_import", False, f"import nixl._api failed: {exc}")]
-    checks += _backend_checks(api, cfg.backends)
+    return checks + _backend_checks(api, cfg.backends) + efa_checks(cfg.backends, efa_root)
+
+
+def efa_checks(backends: list[str], efa_root: Path = SYS_INFINIBAND) -> list[Check]:
+    """Does the backend choice fit the host's EFA devices? (LIBFABRIC needs one; UCX wastes them.)"""
     efa = efa_devices(efa_root)
-    if "LIBFABRIC" in cfg.backends:
+    if "LIBFABRIC" in backends:
         detail = f"EFA devices {efa}" if efa else "no EFA device: LIBFABRIC would use a TCP/shm provider"
-        checks.append(Check("efa_device", bool(efa), detail))
-    elif efa:
-        checks.append(
-            Check(
-                "ucx_on_efa",
-                False,
-                f"EFA devices {efa} present but backends={cfg.backends}: "
-                "UCX falls back to TCP on EFA; use LIBFABRIC",
-            )
+        return [Check("efa_device", bool(efa), detail)]
+    if efa:
+        why = (
+            f"EFA devices {efa} present but backends={backends}: UCX falls back to TCP on EFA; use LIBFABRIC"
         )
-    return checks
+        return [Check("ucx_on_efa", False, why)]
+    return []
+
+
+def backend_checks(created: list[str], wanted: list[str]) -> list[Check]:
+    """One check per wanted backend: did the NIXL agent create it?"""
+    return [
+        Check(f"backend_{b}", b in created, f"plugin {b} {'loaded' if b in created else 'not created'}")
+        for b in wanted
+    ]
 
 
 def _backend_checks(api, backends: list[str]) -> list[Check]:
@@ -84,12 +92,10 @@ def _backend_checks(api, backends: list[str]) -> list[Check]:
     return out
 
 
-def export(checks: list[Check], registry: CollectorRegistry) -> None:
-    gauge = Gauge(
-        "kvferry_preflight_ok", "1 if a preflight check passed, else 0", ["check"], registry=registry
-    )
+def record(checks: list[Check], metrics: Metrics) -> None:
+    """Export the checks as kvferry_preflight_ok{check=...} (the operator reads them: TransferHealthy)."""
     for c in checks:
-        gauge.labels(c.name).set(1 if c.ok else 0)
+        metrics.record("preflight", 1 if c.ok else 0, c.name)
 
 
 TERMINATION_LOG = Path("/dev/termination-log")

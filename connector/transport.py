@@ -78,6 +78,8 @@ class NixlTransport:
                 f"(available: {self.agent.get_plugin_list()}); run `kvferry preflight`"
             )
         self.name, self.cfg = name, cfg
+        self.backends: list[str] = [b for b in cfg.backends if b in self.agent.backends]
+        self.backend = self.backends[0]  # NIXL picks the first backend both sides have: metrics label
         self.peers: dict[str, Peer] = {}
         self.layout: KVLayout | None = None
         self._local_prepped: object | None = None

@@ -38,6 +38,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "Secret": ("/api/v1", "secrets"),  # read as metadata only (Kube.exists): never the data
     "DisaggregatedInference": (f"/apis/{GROUP}/{VERSION}", PLURAL),
+    "ClusterKopfPeering": ("/apis/kopf.dev/v1", "clusterkopfpeerings"),  # leader election (peering.py)
+    "KopfPeering": ("/apis/kopf.dev/v1", "kopfpeerings"),
 }
 # Accept header for a GET that returns only metadata (PartialObjectMetadata), used for Secrets.
 METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
@@ -45,11 +47,18 @@ REQUEST_TIMEOUT_S = 30.0  # every call is bounded; kopf retries the handler on t
 
 
 class KubeError(RuntimeError):
-    """An API call failed; `status` is the HTTP status (0 for transport errors)."""
+    """An API call failed; `status` is the HTTP status (0 for transport errors), `causes` the API
+    server's machine-readable cause reasons (e.g. "NamespaceTerminating")."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, causes: tuple[str, ...] = ()):
         super().__init__(f"HTTP {status}: {message}" if status else message)
         self.status = status
+        self.causes = causes
+
+    @property
+    def namespace_terminating(self) -> bool:
+        """The namespace is being deleted: nothing can be created there, and retrying cannot help."""
+        return "NamespaceTerminating" in self.causes
 
 
 @dataclass
@@ -118,7 +127,8 @@ class Kube:
 
     def _ok(self, status: int, data: dict[str, Any], what: str) -> dict[str, Any]:
         if status >= 400:
-            raise KubeError(status, f"{what}: {data.get('message', data)}")
+            causes = tuple(c.get("reason", "") for c in (data.get("details") or {}).get("causes") or [])
+            raise KubeError(status, f"{what}: {data.get('message', data)}", causes)
         return data
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
@@ -133,6 +143,17 @@ class Kube:
                 "PATCH", obj["kind"], path, query={**query, "force": "true"}, body=obj, content_type=ctype
             )
         return self._ok(status, data, f"apply {obj['kind']} {meta.get('namespace')}/{meta['name']}")
+
+    def create_if_missing(self, obj: dict[str, Any]) -> bool:
+        """Create `obj` unless it exists (HTTP 409); True when this call created it."""
+        meta = obj["metadata"]
+        status, data = self._call(
+            "POST", obj["kind"], self.path(obj["kind"], meta.get("namespace")), body=obj
+        )
+        if status == 409:
+            return False
+        self._ok(status, data, f"create {obj['kind']} {meta.get('namespace') or ''}/{meta['name']}")
+        return True
 
     def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         status, data = self._call("GET", kind, self.path(kind, namespace, name))

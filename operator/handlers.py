@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 import kopf
-from kvferry.operator import names, reconcile, scrape, selfmetrics
+from kvferry.operator import names, peering, reconcile, scrape, selfmetrics
 from kvferry.operator.apply import Kube, load_configuration
 from kvferry.operator.config import OperatorConfig
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
@@ -48,7 +48,9 @@ def timed(trigger: str, run: Any) -> reconcile.Outcome:
     """Run one reconcile, counting it by trigger and result in the operator's own metrics."""
     with selfmetrics.RECONCILE_SECONDS.time():
         outcome = run()
-    result = "invalid" if outcome.invalid else "failed" if outcome.failed else "ok"
+    result = (
+        "invalid" if outcome.invalid else "failed" if outcome.failed else "gone" if outcome.gone else "ok"
+    )
     selfmetrics.RECONCILES.labels(trigger, result).inc()
     return outcome
 
@@ -79,6 +81,8 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         settings.execution.max_workers = 8  # reconciles run in threads (the client is synchronous)
         memo.kube = Kube.from_kubeconfig(cfg.kubeconfig or None)
         memo.kube.on_request = selfmetrics.record_request
+        if cfg.peering and not cfg.standalone:  # startup runs before kopf starts peering
+            peering.ensure_peering(memo.kube, cfg.peering, cfg.namespaces)
         if cfg.metrics_port:
             selfmetrics.serve(cfg.metrics_port, cfg.metrics_host)
         memo.fetch = scrape.http_fetcher(cfg.metrics_timeout)

@@ -23,8 +23,9 @@ RULES: list[tuple[list[str], list[str], list[str], str]] = [
     (
         ["kopf.dev"],
         ["clusterkopfpeerings", "kopfpeerings"],
-        ["get", "list", "watch", "patch"],
-        "kopf: peering = leader election between operator replicas",
+        ["get", "list", "watch", "create", "patch"],
+        "kopf: peering = leader election between operator replicas (create: the operator makes its "
+        "peering object at start-up, peering.py)",
     ),
     ([""], ["events"], ["create"], "kopf: post an event for every significant step"),
     (["events.k8s.io"], ["events"], ["create"], "kopf: post events (newer API)"),

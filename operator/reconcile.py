@@ -31,6 +31,7 @@ class Outcome:
     invalid: str = ""  # spec error: retrying cannot help
     failed: str = ""  # apply error: retry later
     drifted: list[str] = field(default_factory=list)
+    gone: str = ""  # the namespace is being deleted: nothing to do, nothing to retry
 
 
 def _desired(cr: dict[str, Any], sts: dict[str, dict[str, Any] | None] | None = None) -> dict[str, int]:
@@ -166,6 +167,9 @@ def reconcile(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, *, trigger: s
         try:
             applied[(obj["kind"], obj["metadata"]["name"])] = kube.apply(obj)
         except KubeError as exc:
+            if exc.namespace_terminating:
+                log.info("namespace %s is being deleted: not reconciling %s", ns, name)
+                return Outcome(gone=f"namespace {ns} is being deleted")
             errors.append(str(exc))
         if cfg.apply_pause_seconds:
             time.sleep(cfg.apply_pause_seconds)

@@ -44,6 +44,7 @@ class Sample:
     external_tokens: float = 0.0
     backends: set[str] = field(default_factory=set)
     ucx_on_efa: bool = False
+    failed_checks: set[str] = field(default_factory=set)  # other start-up checks at 0 (e.g. efa_device)
 
 
 def parse(text: str) -> Sample:
@@ -58,6 +59,8 @@ def parse(text: str) -> Sample:
                 if check.startswith("backend_") and s.value == 1:
                     out.backends.add(check.removeprefix("backend_"))
                 out.ucx_on_efa |= check == UCX_ON_EFA_CHECK and s.value == 0
+                if s.value == 0 and check != UCX_ON_EFA_CHECK:
+                    out.failed_checks.add(check)
             elif s.name in TRANSFERS:
                 out.transfers += s.value
             elif s.name in FAILURES:
@@ -88,6 +91,7 @@ def merge(samples: list[Sample]) -> Sample:
         total.external_tokens += s.external_tokens
         total.backends |= s.backends
         total.ucx_on_efa |= s.ucx_on_efa
+        total.failed_checks |= s.failed_checks
     return total
 
 
@@ -146,6 +150,18 @@ def health(
                 f"{who} pods run NIXL backend {', '.join(wrong)} on EFA nodes; only LIBFABRIC reaches EFA "
                 "bandwidth (UCX falls back to TCP)"
             ),
+        )
+    checks = [
+        (role, c)
+        for role, s in (("prefill", producer), ("decode", consumer))
+        for c in sorted(s.failed_checks)
+    ]
+    if checks:
+        what = ", ".join(f"{role} {check}" for role, check in checks)
+        return (
+            "False",
+            Reason.PREFLIGHT_FAILED,
+            f"start-up checks failed ({what}): see kvferry_preflight_ok and the engine pods' logs",
         )
     failed = _increase(producer.failures, previous.get("failures", 0))
     if failed > 0:

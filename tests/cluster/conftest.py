@@ -123,6 +123,7 @@ def namespace(admin_api, request: pytest.FixtureRequest) -> Iterator[str]:
         except ApiException as e:
             if e.status != 404:  # a test may delete its namespace itself
                 raise
+        _release_finalizers(admin_api, name)
 
         # Wait for its pods to go so the next test gets the nodes' resources back (the namespace itself
         # may finish terminating later); a stuck finalizer only warns.
@@ -133,6 +134,35 @@ def namespace(admin_api, request: pytest.FixtureRequest) -> Iterator[str]:
             warnings.warn(
                 f"pods in namespace {name} still there after {NAMESPACE_DELETE_TIMEOUT_S} s", stacklevel=1
             )
+
+
+def _release_finalizers(api, namespace: str) -> None:
+    """Drop the operator's finalizer from the namespace's DisaggregatedInferences.
+
+    The test's operator has stopped by now; without this the namespace would stay Terminating and the
+    next cluster-wide operator would find (and work on) another test's leftovers.
+    """
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+    from kvferry.operator.spec import GROUP, PLURAL, VERSION
+
+    custom = client.CustomObjectsApi(api)
+    try:
+        items = custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]
+    except ApiException as e:
+        if e.status == 404:  # no CRD installed in this plane (yet)
+            return
+        raise
+    for item in items:
+        if item["metadata"].get("finalizers"):
+            patch = {"metadata": {"finalizers": None}}
+            try:
+                custom.patch_namespaced_custom_object(
+                    GROUP, VERSION, namespace, PLURAL, item["metadata"]["name"], patch
+                )
+            except ApiException as e:
+                if e.status != 404:
+                    raise
 
 
 def _exists(read: Callable, *args: str) -> bool:

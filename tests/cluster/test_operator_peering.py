@@ -8,16 +8,14 @@ from tests.unit.operator.cases import make_inference
 
 
 def test_two_replicas_elect_one_leader_and_still_reconcile(cluster, start_operator) -> None:
-    # The peering object the chart creates next to the operator (kopf does not create it itself).
-    cluster.plane.kubectl(
-        "-n",
-        cluster.ns,
-        "apply",
-        "-f",
-        "-",
-        input="apiVersion: kopf.dev/v1\nkind: KopfPeering\nmetadata: {name: kvferry}\n",
-    )
+    # No peering object yet: the first operator creates it (kopf alone would only patch one that exists).
+    def peerings() -> str:
+        return cluster.plane.kubectl("-n", cluster.ns, "get", "kopfpeerings", "-o", "name").stdout.strip()
+
+    assert peerings() == ""
     low = start_operator("--peering", "kvferry", "--priority", "10")
+    assert wait_until(peerings, "the peering object") == "kopfpeering.kopf.dev/kvferry"
+    assert f"created KopfPeering {cluster.ns}/kvferry for leader election" in low.text()
     high = start_operator("--peering", "kvferry", "--priority", "20")
     wait_until(
         lambda: "Pausing operations in favour of" in low.text(), "the low-priority replica to pause", 90

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 from kvferry.connector.config import KvferryConfig
-from kvferry.connector.preflight import export, main, run_checks
-from prometheus_client import CollectorRegistry, generate_latest
+from kvferry.connector.metrics import Metrics
+from kvferry.connector.preflight import main, record, run_checks
+from prometheus_client import generate_latest
 
 pytestmark = pytest.mark.nixl
 
@@ -18,9 +19,9 @@ def test_ucx_passes_here(capsys):
 def test_libfabric_without_efa_fails_with_reason(tmp_path):
     checks = {c.name: c for c in run_checks(KvferryConfig.from_extra({}), efa_root=tmp_path)}
     assert not checks["efa_device"].ok and "no EFA device" in checks["efa_device"].detail
-    registry = CollectorRegistry()
-    export(list(checks.values()), registry)
-    assert 'kvferry_preflight_ok{check="efa_device"} 0.0' in generate_latest(registry).decode()
+    metrics = Metrics()
+    record(list(checks.values()), metrics)
+    assert 'kvferry_preflight_ok{check="efa_device"} 0.0' in generate_latest(metrics.registry).decode()
 
 
 def test_bad_config_exits_2():

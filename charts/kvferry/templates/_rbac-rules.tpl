@@ -67,15 +67,17 @@
 {{- end }}
 
 {{- define "kvferry.rbac.clusterModeRules" }}
-# kopf: peering = leader election between operator replicas
+# kopf: peering = leader election between operator replicas (create: the operator makes its peering
+# object at start-up, peering.py)
 - apiGroups: [kopf.dev]
   resources: [clusterkopfpeerings]
-  verbs: [get, list, watch, patch]
+  verbs: [get, list, watch, create, patch]
 {{- end }}
 
 {{- define "kvferry.rbac.namespacesModeRules" }}
-# kopf: peering = leader election between operator replicas
+# kopf: peering = leader election between operator replicas (create: the operator makes its peering
+# object at start-up, peering.py)
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]
-  verbs: [get, list, watch, patch]
+  verbs: [get, list, watch, create, patch]
 {{- end }}

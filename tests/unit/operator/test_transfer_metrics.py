@@ -94,3 +94,13 @@ def test_the_connectors_transfer_histogram_feeds_the_quantiles() -> None:
     )
     summary, _ = _run([text], [])
     assert summary["p50Seconds"] == pytest.approx(0.01) and summary["transfers"] == 100
+
+
+def test_a_failed_start_up_check_makes_transfers_unhealthy_naming_role_and_check() -> None:
+    gauge = '# TYPE kvferry_preflight_ok gauge\nkvferry_preflight_ok{check="%s"} %d\n'
+    ok = metrics(10) + gauge % ("backend_LIBFABRIC", 1) + gauge % ("efa_device", 1)
+    no_efa = metrics(10) + gauge % ("backend_LIBFABRIC", 1) + gauge % ("efa_device", 0)
+    assert _run([ok], [ok])[1][:2] == ("True", Reason.TRANSFERS_OK)
+    status, reason, message = _run([ok], [no_efa])[1]
+    assert (status, reason) == ("False", Reason.PREFLIGHT_FAILED)
+    assert "decode efa_device" in message and "prefill" not in message
