@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from kvferry.connector.router.config import AuthConfig, ConfigError, read_api_key
 
 
 @dataclass
@@ -35,6 +36,11 @@ class Sweep:
     seed: int = 0
     timeout_s: float = 120.0
     vocab: int = 2000
+    api_key: str | None = field(default=None, repr=False)  # sent as a Bearer token; never written out
+
+    def client(self, **kw: Any) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.AsyncClient(timeout=self.timeout_s, headers=headers, **kw)
 
 
 @dataclass
@@ -119,7 +125,7 @@ async def run_cell(sweep: Sweep, length: int, rate: float) -> Cell:
     count = max(sweep.min_requests, int(rate * sweep.duration_s))
     times, batch = arrivals(rate, count, rng), prompts(length, count, sweep.vocab, rng)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=sweep.timeout_s, limits=limits) as client:
+    async with sweep.client(limits=limits) as client:
         t0 = time.perf_counter()
 
         async def fire(at: float, prompt: list[int]) -> Result:
@@ -149,7 +155,7 @@ def run_sweep(sweep: Sweep, warmup: int = 3, log: Any = print) -> list[Cell]:
     """All cells, lengths outer and rates ascending; a few sequential warm-up requests first."""
 
     async def main() -> list[Cell]:
-        async with httpx.AsyncClient(timeout=sweep.timeout_s) as client:
+        async with sweep.client() as client:
             rng = random.Random(sweep.seed)
             for prompt in prompts(min(sweep.lengths), warmup, sweep.vocab, rng):
                 await one_request(client, sweep, prompt)
@@ -204,7 +210,8 @@ def plot(series: dict[str, list[Cell]], path: Path, title: str) -> None:
 
 def write_outputs(out: Path, label: str, sweep: Sweep, cells: list[Cell]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"label": label, "sweep": asdict(sweep), "cells": [asdict(c) for c in cells]}
+    settings = {k: v for k, v in asdict(sweep).items() if k != "api_key"}
+    doc = {"label": label, "sweep": settings, "cells": [asdict(c) for c in cells]}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(cells, label))
     plot({label: cells}, out.with_suffix(".png"), label)
@@ -225,10 +232,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--label", default="bench")
     parser.add_argument("--out", type=Path, help="write OUT.json, OUT.md and OUT.png")
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument("--api-key-env", metavar="VAR", help="send the API key in this environment variable")
+    key.add_argument("--api-key-file", help="send the API key in this file (e.g. a mounted Secret)")
     args = parser.parse_args(argv)
+    try:
+        api_key = read_api_key(AuthConfig(api_key_env=args.api_key_env, api_key_file=args.api_key_file))
+    except ConfigError as exc:
+        parser.error(str(exc).replace("auth.api_key_", "--api-key-"))
     sweep = Sweep(
         url=args.url, model=args.model, lengths=tuple(int(x) for x in _floats(args.lengths)),
         rates=_floats(args.rates), max_tokens=args.max_tokens, duration_s=args.duration, seed=args.seed,
+        api_key=api_key,
     )  # fmt: skip
     if not sweep.lengths or not sweep.rates or min(sweep.rates) <= 0:
         parser.error("--lengths and --rates need at least one positive value each")

@@ -71,7 +71,7 @@ def test_p5en_pods_land_on_p5en_nodes_with_efa_and_the_cr_turns_ready(cluster, o
         .decode(tensorParallelSize=4)
         .obj()
     )
-    wait_until(lambda: cluster.ready("q"), "CR q Ready")
+    cluster.wait_ready("q", "CR q Ready")
     engines = cluster.pods("q", "prefill") + cluster.pods("q", "decode")
     assert len(engines) == 3
     for pod in engines:
@@ -89,7 +89,7 @@ def test_p5en_pods_land_on_p5en_nodes_with_efa_and_the_cr_turns_ready(cluster, o
 def test_scale_decode_with_kubectl_scale_and_prefill_with_a_patch(cluster, operator) -> None:
     # No preset: pods request nothing, so 2 prefill + 3 decode fit the one small cpu node.
     cluster.apply(make_inference("s", accelerator="none", image="vllm:1").obj())
-    wait_until(lambda: cluster.ready("s"), "CR s Ready")
+    cluster.wait_ready("s", "CR s Ready")
     cluster.kubectl("scale", "disaggregatedinference/s", "--replicas=3")
     cluster.kubectl(
         "patch", "disaggregatedinference/s", "--type=merge", "-p", '{"spec":{"prefill":{"replicas":2}}}'
@@ -115,7 +115,7 @@ def test_scale_decode_with_kubectl_scale_and_prefill_with_a_patch(cluster, opera
 
 def test_image_change_rolls_both_roles_progressing_then_ready(cluster, operator) -> None:
     cluster.apply(make_inference("img", image="vllm:one").obj())
-    wait_until(lambda: cluster.ready("img"), "CR img Ready")
+    cluster.wait_ready("img", "CR img Ready")
     old_rev = cluster.cr("img")["status"]["revision"]
     cluster.kubectl(
         "patch", "disaggregatedinference/img", "--type=merge", "-p", '{"spec":{"image":"vllm:two"}}'
@@ -129,7 +129,7 @@ def test_image_change_rolls_both_roles_progressing_then_ready(cluster, operator)
         "Progressing=True for the new generation",
     )
     assert seen_progressing
-    wait_until(lambda: cluster.ready("img"), "Ready again after the rollout", timeout_s=120)
+    cluster.wait_ready("img", "Ready again after the rollout", timeout_s=120)
     status = cluster.cr("img")["status"]
     assert status["observedGeneration"] == generation and status["revision"] != old_rev
     for pod in cluster.pods("img", "prefill") + cluster.pods("img", "decode"):
@@ -140,7 +140,7 @@ def test_image_change_rolls_both_roles_progressing_then_ready(cluster, operator)
 
 def test_hand_edit_of_a_managed_statefulset_is_reverted(cluster, operator) -> None:
     cluster.apply(make_inference("drift").obj())
-    wait_until(lambda: cluster.ready("drift"), "CR drift Ready")
+    cluster.wait_ready("drift", "CR drift Ready")
     want = cluster.get("statefulset", "drift-decode")["spec"]["template"]["spec"]["containers"][0]["image"]
     cluster.kubectl(
         "patch",
@@ -201,7 +201,7 @@ def test_the_operator_service_account_is_not_cluster_admin(control_plane, operat
 @pytest.mark.parametrize("owner", ["autoscaler"])
 def test_autoscaler_owned_replicas_are_left_alone(cluster, operator, owner) -> None:
     cluster.apply(make_inference("hpa").decode(replicas=1, replicasOwner=owner).obj())
-    wait_until(lambda: cluster.ready("hpa"), "CR hpa Ready")
+    cluster.wait_ready("hpa", "CR hpa Ready")
     cluster.kubectl("scale", "statefulset/hpa-decode", "--replicas=2")  # what an HPA does
     wait_until(lambda: cluster.cr("hpa")["status"]["decode"]["readyReplicas"] == 2, "2 decode pods ready")
     cluster.kubectl("annotate", "disaggregatedinference/hpa", "touch=1")  # any CR change re-reconciles
@@ -210,4 +210,4 @@ def test_autoscaler_owned_replicas_are_left_alone(cluster, operator, owner) -> N
     )
     wait_until(lambda: cluster.get("deployment", "hpa-router")["spec"]["replicas"] == 2, "router scaled")
     assert cluster.get("statefulset", "hpa-decode")["spec"]["replicas"] == 2
-    wait_until(lambda: cluster.ready("hpa"), "Ready with the autoscaler's replica count")
+    cluster.wait_ready("hpa", "Ready with the autoscaler's replica count")

@@ -76,7 +76,7 @@ def _with_metrics(builder, url: str) -> dict:
 def test_kubectl_get_shows_transfer_columns_and_health(cluster, operator, fake_metrics) -> None:
     fake_metrics.texts = {"m-prefill-0": prometheus(300, 2), "m-decode-0": ""}
     cluster.apply(_with_metrics(make_inference("m", accelerator="p5en"), fake_metrics.url))
-    wait_until(lambda: cluster.ready("m"), "CR m Ready")
+    cluster.wait_ready("m", "CR m Ready")
     wait_until(
         lambda: cluster.cr("m")["status"].get("transfer", {}).get("transfers") == 300, "transfer summary"
     )

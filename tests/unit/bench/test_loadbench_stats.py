@@ -35,3 +35,38 @@ def test_summary_counts_failures_and_reports_ms() -> None:
     assert abs(cell.ttft_ms["p50"] - 10.0) < 1e-9 and abs(cell.tpot_ms["p99"] - 2.0) < 1e-9
     table = markdown([cell], "single")
     assert "| 256 | 2 | 9/1 | 10.0 / 10.0 | 2.00 / 2.00 | 100 | 1.80 |" in table
+
+
+def test_the_api_key_goes_in_the_bearer_header_and_never_in_the_recorded_sweep() -> None:
+    import asyncio
+    import dataclasses
+
+    import httpx
+    from kvferry.connector.loadbench import Sweep
+
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization", ""))
+        return httpx.Response(200)
+
+    async def call(sweep: Sweep) -> None:
+        async with sweep.client(transport=httpx.MockTransport(handler)) as client:
+            await client.get("http://127.0.0.1:1/v1/models")
+
+    asyncio.run(call(Sweep(url="u", api_key="s3cret")))
+    asyncio.run(call(Sweep(url="u")))
+    assert seen == ["Bearer s3cret", ""]
+    assert "s3cret" not in repr(Sweep(url="u", api_key="s3cret"))
+    assert [f.name for f in dataclasses.fields(Sweep) if not f.repr] == ["api_key"]
+
+
+def test_a_missing_api_key_is_refused_naming_the_flag(capsys, monkeypatch) -> None:
+    import pytest
+    from kvferry.connector.loadbench import main
+
+    monkeypatch.delenv("KVFERRY_TEST_NO_SUCH_KEY", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main(["--url", "http://127.0.0.1:1", "--api-key-env", "KVFERRY_TEST_NO_SUCH_KEY"])
+    assert exc.value.code == 2
+    assert "--api-key-env: environment variable KVFERRY_TEST_NO_SUCH_KEY is unset" in capsys.readouterr().err
