@@ -1,5 +1,5 @@
 """Router HTTP step: the OpenAI-compatible aiohttp app (/v1/completions, /v1/chat/completions,
-/v1/models, /health, /metrics) that validates requests, picks engines and relays decode's answer.
+/v1/models, /health, /livez, /metrics) that validates requests, picks engines and relays decode's answer.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from kvferry.connector.router.selection import LoadTracker, NoBackendError, Sele
 log = logging.getLogger(__name__)
 SCRAPE_INTERVAL_S = 2.0
 MAX_BODY_BYTES = 32 * 1024 * 1024
-UNAUTHENTICATED_PATHS = ("/health", "/metrics")
+UNAUTHENTICATED_PATHS = ("/health", "/livez", "/metrics")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 CONFIG = web.AppKey("config", RouterConfig)
@@ -185,6 +185,12 @@ async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok" if ok else "no_engine_pair", **body}, status=200 if ok else 503)
 
 
+async def _livez(request: web.Request) -> web.Response:
+    """Liveness: the process answers. Not /health, which is 503 while engines load: a liveness probe
+    on it would restart a healthy router for as long as vLLM takes to start."""
+    return web.json_response({"status": "ok"})
+
+
 async def _metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     pool = state["discovery"].current()
@@ -247,6 +253,7 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     app.router.add_post(legs.CHAT, _generate)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
+    app.router.add_get("/livez", _livez)
     app.router.add_get("/metrics", _metrics)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)

@@ -213,9 +213,10 @@ def test_errors_are_openai_shaped() -> None:
     run("kvferry", "ok", "ok", check)
 
 
-def test_api_key_is_required_on_v1_but_not_on_health() -> None:
+def test_api_key_is_required_on_v1_but_not_on_health_or_livez() -> None:
     async def check(client: TestClient, p: FakeEngine, d: FakeEngine) -> None:
         assert (await client.get("/health")).status == 200
+        assert (await client.get("/livez")).status == 200  # the liveness probe carries no key either
         resp = await client.post("/v1/completions", json=BODY)
         assert resp.status == 401 and (await resp.json())["error"]["type"] == "authentication_error"
         bad = await client.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer nope"})
