@@ -47,6 +47,11 @@ class PodPlan:
     efa: int
 
 
+def block_size(spec: Any) -> int:
+    """The KV block size both roles run with: the spec's, else the preset's."""
+    return spec.vllm.block_size or int(load(spec.accelerator)["blockSize"])
+
+
 def scale_quantity(quantity: str, factor: int) -> str:
     """'640Mi' x 2 -> '1280Mi': multiply a Kubernetes quantity, keeping its suffix."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", str(quantity))

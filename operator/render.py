@@ -13,7 +13,7 @@ from typing import Any
 
 import jinja2
 import yaml
-from kvferry.operator import injection, names, security
+from kvferry.operator import injection, names, presets, security
 from kvferry.operator.presets import PodPlan, merge
 from kvferry.operator.spec import GROUP, KIND, VERSION, Spec, parse_spec
 
@@ -68,7 +68,7 @@ def revision_of(spec: Spec, plans: dict[str, PodPlan]) -> str:
         "images": sorted({plan.image for plan in plans.values()}),
         "kvTransfer": kv,
         "backends": plans["prefill"].backends,
-        "vllm": asdict(spec.vllm),
+        "vllm": {**asdict(spec.vllm), "block_size": presets.block_size(spec)},  # effective, not as written
     }
     return names.short_hash(json.dumps(shared, sort_keys=True))
 
@@ -115,7 +115,7 @@ def vllm_args(spec: Spec, role: str, kv_json: str, shutdown_timeout: int) -> lis
         "--tensor-parallel-size",
         str(rspec.tensor_parallel_size),
         "--block-size",
-        str(engine.block_size),
+        str(presets.block_size(spec)),
         "--dtype",
         engine.dtype,
     ]

@@ -106,8 +106,11 @@ class KvTransfer:
 class Engine:
     """vLLM settings both roles must share (they feed the revision hash)."""
 
-    block_size: int = f(
-        "KV block size in tokens, same on prefill and decode.", 16, enum=[8, 16, 32, 64, 128, 256]
+    block_size: int | None = f(
+        "KV block size in tokens, same on prefill and decode. Unset: the preset's (16; 128 on cpu, "
+        "whose attention kernels need a multiple of 32).",
+        None,
+        enum=[8, 16, 32, 64, 128, 256],
     )
     max_model_len: int | None = f(
         "Maximum context length; unset lets vLLM derive it from the model.", None, minimum=1
@@ -363,6 +366,13 @@ RULES: list[Rule] = [
         "kvTransfer.connectorSource inject needs kvTransfer.connector kvferry (the upstream vllm connectors "
         "ship inside vLLM)",
         lambda s: s.kv_transfer.connector == "kvferry" or s.kv_transfer.connector_source == "image",
+    ),
+    Rule(
+        ".vllm.blockSize",
+        "self.accelerator != 'cpu' || !has(self.vllm.blockSize) || self.vllm.blockSize % 32 == 0",
+        "vllm.blockSize must be a multiple of 32 on the cpu preset (vLLM-CPU's attention kernels refuse "
+        "smaller blocks at start-up); leave it unset for 128",
+        lambda s: s.accelerator != "cpu" or s.vllm.block_size is None or s.vllm.block_size % 32 == 0,
     ),
     Rule(
         ".image",

