@@ -26,21 +26,12 @@ from kubernetes import client
 from kvferry.local.controlplane import ControlPlane
 from kvferry.local.controlplane.processes import reserve_ports
 from kvferry.operator import names
+from kvferry.operator.apply import RENDERED_KINDS, Kube
+from kvferry.operator.render import render
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 NS = "bench"
-OBJECTS_PER_CR = 12
-KINDS = [
-    "configmaps",
-    "services",
-    "statefulsets",
-    "deployments",
-    "poddisruptionbudgets",
-    "serviceaccounts",
-    "roles",
-    "rolebindings",
-]
 POLL_S = 0.1
 
 
@@ -57,15 +48,8 @@ def cr(name: str) -> dict:
 def count_objects(api: client.ApiClient) -> int:
     """Managed objects in the namespace, counted with raw list calls (one per kind)."""
     total = 0
-    for kind in KINDS:
-        prefix = {
-            "statefulsets": "/apis/apps/v1",
-            "deployments": "/apis/apps/v1",
-            "poddisruptionbudgets": "/apis/policy/v1",
-            "roles": "/apis/rbac.authorization.k8s.io/v1",
-            "rolebindings": "/apis/rbac.authorization.k8s.io/v1",
-        }.get(kind, "/api/v1")
-        path = f"{prefix}/namespaces/{NS}/{kind}?labelSelector={names.LABEL_MANAGED_BY}%3D{names.MANAGED_BY}"
+    for kind in RENDERED_KINDS:
+        path = f"{Kube.path(kind, NS)}?labelSelector={names.LABEL_MANAGED_BY}%3D{names.MANAGED_BY}"
         data = api.call_api(*api.param_serialize("GET", path, auth_settings=["BearerToken"]))
         data.read()
         total += len(json.loads(data.data)["items"])
@@ -161,7 +145,7 @@ def run(n: int, cpu_nodes: int, workdir: Path) -> None:
                 t0 = time.monotonic()
                 apply(plane, crs)
                 t_apply = time.monotonic() - t0
-                want_objects = before_objects + OBJECTS_PER_CR * len(crs)
+                want_objects = before_objects + len(render(cr("x")).objects) * len(crs)
                 wait(lambda w=want_objects: count_objects(api) >= w, "objects", 900)
                 t_objects = time.monotonic() - t0
                 want_ready = before_ready + len(crs)

@@ -41,6 +41,18 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ClusterKopfPeering": ("/apis/kopf.dev/v1", "clusterkopfpeerings"),  # leader election (peering.py)
     "KopfPeering": ("/apis/kopf.dev/v1", "kopfpeerings"),
 }
+# The kinds a CR's render produces (tests/unit/operator/test_render.py keeps this in step with render).
+RENDERED_KINDS = (
+    "ConfigMap",
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "Service",
+    "StatefulSet",
+    "PodDisruptionBudget",
+    "Deployment",
+    "NetworkPolicy",
+)
 # Accept header for a GET that returns only metadata (PartialObjectMetadata), used for Secrets.
 METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 REQUEST_TIMEOUT_S = 30.0  # every call is bounded; kopf retries the handler on timeouts

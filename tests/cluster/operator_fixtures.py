@@ -24,6 +24,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from kvferry.local.controlplane.processes import reserve_ports
 from kvferry.operator import names, rbac
+from kvferry.operator.apply import RENDERED_KINDS, RESOURCES
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,18 +234,7 @@ class Cluster:
 
     def owned(self, cr_name: str) -> dict[tuple[str, str], dict[str, Any]]:
         """Every object labelled as made for `cr_name`, by (kind, name)."""
-        kinds = ",".join(
-            [
-                "configmaps",
-                "services",
-                "statefulsets",
-                "deployments",
-                "poddisruptionbudgets",
-                "serviceaccounts",
-                "roles",
-                "rolebindings",
-            ]
-        )
+        kinds = ",".join(RESOURCES[k][1] for k in RENDERED_KINDS)
         res = self.kubectl("get", kinds, "-l", f"{names.LABEL_NAME}={cr_name}", "-o", "json")
         return {(o["kind"], o["metadata"]["name"]): o for o in json.loads(res.stdout)["items"]}
 
@@ -278,6 +268,7 @@ EXPECTED_KINDS = {
     "StatefulSet": 2,
     "PodDisruptionBudget": 2,
     "Deployment": 1,
+    "NetworkPolicy": 2,
 }
 
 

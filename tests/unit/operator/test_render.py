@@ -136,3 +136,14 @@ def test_names_are_truncated_to_63_with_a_hash() -> None:
     assert len(names.fit(long)) == 63
     assert names.fit(long) != names.fit("a" * 79 + "b")
     assert names.fit("short") == "short"
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", "p5en", "trn2", "none"])
+def test_rendered_kinds_are_the_ones_tests_and_benchmarks_count(accelerator: str) -> None:
+    from kvferry.operator.apply import RENDERED_KINDS, RESOURCES
+
+    kinds = {
+        o["kind"] for o in render(make_inference("k", accelerator=accelerator, image="i:1").obj()).objects
+    }
+    assert kinds == set(RENDERED_KINDS)
+    assert all(k in RESOURCES for k in RENDERED_KINDS)  # the operator's client knows each path
