@@ -91,8 +91,9 @@ def _name(obj: dict[str, Any]) -> str:
 class KubernetesDiscovery:
     """Polls the role Services' EndpointSlices and their pods; keeps the last good pool on errors."""
 
-    def __init__(self, cfg: KubernetesDiscoveryConfig) -> None:
+    def __init__(self, cfg: KubernetesDiscoveryConfig, kubeconfig: str | None = None) -> None:
         self.cfg = cfg
+        self.kubeconfig = kubeconfig  # None: in-cluster credentials, else $KUBECONFIG
         self._pool = Pool()
         self._task: asyncio.Task[None] | None = None
         self._api: Any = None
@@ -104,11 +105,15 @@ class KubernetesDiscovery:
         if self._api is None:
             from kubernetes import client, config
 
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            api = client.ApiClient()
+            conf = client.Configuration()
+            if self.kubeconfig:
+                config.load_kube_config(config_file=self.kubeconfig, client_configuration=conf)
+            else:
+                try:
+                    config.load_incluster_config(client_configuration=conf)
+                except config.ConfigException:
+                    config.load_kube_config(client_configuration=conf)
+            api = client.ApiClient(conf)
             self._api = (api, client.DiscoveryV1Api(api), client.CoreV1Api(api))
         return self._api
 
