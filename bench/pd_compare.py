@@ -31,7 +31,7 @@ ROUTER_STATS: dict[str, dict[str, float]] = {}
 
 
 def measure(
-    mode: str, sweep: loadbench.Sweep, model: Path, workdir: Path, stock: bool
+    mode: str, sweep: loadbench.Sweep, model: Path, workdir: Path, stock: bool, kvferry_extra: dict
 ) -> list[loadbench.Cell]:
     """Start the mode's servers, sweep, stop them (by PID) even on failure."""
     print(f"== {mode}: starting", flush=True)
@@ -39,7 +39,7 @@ def measure(
         server = VllmProcess(ServerSpec(model=model, port=free_port(), cores="0-1"), workdir / "single.log")
         with server:
             return loadbench.run_sweep(replace(sweep, url=server.url))
-    stack = PdStack(mode, model, workdir / mode, no_progress_thread=not stock)
+    stack = PdStack(mode, model, workdir / mode, no_progress_thread=not stock, kvferry_extra=kvferry_extra)
     try:
         stack.start()
         cells = loadbench.run_sweep(replace(sweep, url=stack.url))
@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", type=float, default=30.0, help="per-request bound (a wedge shows as failures)"
     )
     parser.add_argument("--stock-upstream", action="store_true", help="keep upstream's UCX progress thread")
+    parser.add_argument(
+        "--kvferry-extra", type=json.loads, default={}, help="kv_connector_extra_config overrides (JSON)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/pd_compare"))
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -116,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pd-compare-") as tmp:
         for mode in modes:
             try:
-                results[mode] = measure(mode, sweep, model, Path(tmp), args.stock_upstream)
+                results[mode] = measure(
+                    mode, sweep, model, Path(tmp), args.stock_upstream, args.kvferry_extra
+                )
             except Exception as exc:  # one broken mode must not lose the others' numbers
                 print(f"== {mode}: FAILED: {exc!r}"[:2000], file=sys.stderr)
                 ROUTER_STATS[mode] = {"failed to run": 1.0}

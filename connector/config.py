@@ -33,7 +33,10 @@ class KvferryConfig:
     registration_ttl_s: float = 60.0  # producer: a registration waits this long for its prefill
     max_entries: int = 4096  # bound of every pending map
     descriptors: str = "auto"  # auto: prepped lists when block layouts match, else coalesced per request
-    poll_min_s: float = 0.0002  # transport poll interval while work is pending
+    # Transport poll interval right after activity. Not lower: the endpoint thread shares the GIL and,
+    # on a small host, the core with vLLM's model loop; sub-ms polling slowed decode steps under load
+    # (bench/results/README.md).
+    poll_min_s: float = 0.002
     poll_max_s: float = 0.01  # idle poll interval (bounds registration pickup latency when idle)
     handshake_timeout_s: float = 5.0  # per side-channel attempt
     handshake_attempts: int = 3  # with exponential backoff between attempts

@@ -215,7 +215,9 @@ class Endpoint:
         try:
             while not self._stop.is_set():
                 active = self._round()
-                cap = self.cfg.poll_min_s * 8 if self._busy() else self.cfg.poll_max_s
+                cap = (
+                    min(self.cfg.poll_min_s * 8, self.cfg.poll_max_s) if self._busy() else self.cfg.poll_max_s
+                )
                 interval = self.cfg.poll_min_s if active else min(interval * 2, cap)
                 self._wake.wait(interval)
                 self._wake.clear()

@@ -93,6 +93,7 @@ class PdStack:
     no_progress_thread: bool = True
     deadlines: dict[str, float] = field(default_factory=dict)
     kv_cache_gib: float = 1.0
+    kvferry_extra: dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config overrides
     prefill: VllmProcess | None = None
     decode: VllmProcess | None = None
     router: RouterProcess | None = None
@@ -105,7 +106,9 @@ class PdStack:
             # Upstream baselines only; the kvferry connector owns its NIXL agent config.
             no_progress_thread=self.no_progress_thread and connector != "KvferryConnector",
             # kvferry defaults to LIBFABRIC (EFA); loopback on a CPU host is UCX.
-            connector_extra={"backends": ["UCX"]} if connector == "KvferryConnector" else {},
+            connector_extra=(
+                {"backends": ["UCX"], **self.kvferry_extra} if connector == "KvferryConnector" else {}
+            ),
         )  # fmt: skip
         return VllmProcess(spec, self.workdir / f"{role}.log")
 

@@ -26,8 +26,16 @@ def blocks_for(tokens: int, block_size: int, first: int, reverse: bool = False) 
         (CacheShape(block_size=16, tp_size=2), CacheShape(block_size=32, order="token_major"), 301),
         # heads split: 1 producer rank (128) -> 2 consumer ranks (64), both vLLM-CPU layout
         (CacheShape(block_size=128, num_blocks=16), CacheShape(block_size=64, tp_size=2, num_blocks=32), 700),
+        # one producer block into two consumer blocks, at and just below the block boundary
+        (CacheShape(block_size=128, num_blocks=16), CacheShape(block_size=64, num_blocks=32), 128),
+        (CacheShape(block_size=128, num_blocks=16), CacheShape(block_size=64, num_blocks=32), 127),
     ],
-    ids=["tp2-bs16-to-tp1-bs32", "tp1-bs128-to-tp2-bs64"],
+    ids=[
+        "tp2-bs16-to-tp1-bs32",
+        "tp1-bs128-to-tp2-bs64",
+        "bs128-to-bs64-128-tokens",
+        "bs128-to-bs64-127-tokens",
+    ],
 )
 def test_consumer_kv_equals_producer_kv(procs, p_shape, d_shape, tokens):
     prods = procs.start("producer", "prefill-0", p_shape, ranks=p_shape.tp_size)
