@@ -202,12 +202,24 @@ def reconcile(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, *, trigger: s
     return out
 
 
+def _prunes_away(value: Any) -> bool:
+    """An empty map or list, or a map of only such values: the API server stores nothing for it."""
+    if isinstance(value, dict):
+        return all(_prunes_away(v) for v in value.values())
+    return value == []
+
+
 def is_subset(desired: Any, actual: Any) -> bool:
-    """Whether every field we render is present with our value (server defaults may add more)."""
+    """Whether every field we render is present with our value (server defaults may add more).
+
+    The API server prunes empty maps and lists (`resources: {requests: {}}` comes back without
+    `requests`), so an empty rendered value matches an absent one; otherwise every reconcile of such
+    an object would look like drift and re-apply it, forever.
+    """
+    if actual is None and _prunes_away(desired):
+        return True
     if isinstance(desired, dict):
-        return isinstance(actual, dict) and all(
-            k in actual and is_subset(v, actual[k]) for k, v in desired.items()
-        )
+        return isinstance(actual, dict) and all(is_subset(v, actual.get(k)) for k, v in desired.items())
     if isinstance(desired, list):
         return (
             isinstance(actual, list)

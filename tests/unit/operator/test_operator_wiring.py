@@ -37,6 +37,25 @@ def test_subset_compares_quantities_as_strings_and_lists_by_length() -> None:
     assert not is_subset({"a": {"b": 1}}, {"a": {}})
 
 
+def _pruned(obj):
+    """What the API server stores: empty maps and lists dropped."""
+    if isinstance(obj, dict):
+        kept = {k: _pruned(v) for k, v in obj.items()}
+        return {k: v for k, v in kept.items() if v not in ({}, [])}
+    if isinstance(obj, list):
+        return [_pruned(v) for v in obj]
+    return obj
+
+
+def test_empty_maps_the_server_prunes_are_not_drift() -> None:
+    # accelerator none without resources renders `resources: {requests: {}, limits: {}}`; the stored
+    # object has neither, and treating that as drift re-applied every such StatefulSet forever.
+    for obj in render(make_inference("n", accelerator="none", image="i:1").obj()).objects:
+        assert not drifted(obj, _pruned(obj)), obj["kind"]
+    assert is_subset({"requests": {}}, {}) and is_subset({"a": []}, {})
+    assert not is_subset({"a": [1]}, {}) and not is_subset({"a": "x"}, {})
+
+
 def test_config_from_env_and_flags() -> None:
     cfg = OperatorConfig.from_env(
         {"KVFERRY_NAMESPACES": "a, b", "KVFERRY_STANDALONE": "true", "KVFERRY_METRICS_INTERVAL": "5"}
