@@ -280,8 +280,13 @@ def refresh_status(kube: Kube, cr: dict[str, Any], owned: dict[str, dict[str, An
     meta = cr["metadata"]
     previous = cr.get("status") or {}
     if not previous.get("revision"):
-        log.debug("status refresh of %s skipped: not reconciled yet", meta["name"])
-        return Outcome()  # not reconciled yet: the CR handler writes the first status
+        # The indexed copy may predate the first reconcile's status patch (a busy operator sees the
+        # pod/Deployment event first): read the CR once instead of dropping this last change.
+        fresh = kube.get("DisaggregatedInference", meta["namespace"], meta["name"])
+        if fresh is None or not (fresh.get("status") or {}).get("revision"):
+            log.debug("status refresh of %s skipped: not reconciled yet", meta["name"])
+            return Outcome()  # not reconciled yet: the CR handler writes the first status
+        cr, previous = fresh, fresh["status"]
     observed = Observed(statefulsets={r: owned.get(r) for r in names.ROLES}, router=owned.get("router"))
 
     def compute(prev: dict[str, Any]) -> dict[str, Any]:
