@@ -29,7 +29,8 @@ def triples(group: str, resources: tuple[str, ...], verbs: tuple[str, ...]) -> s
 OPERATOR_ALLOWED = (
     triples("apiextensions.k8s.io", ("customresourcedefinitions",), READ)
     | triples("", ("namespaces",), READ)
-    | triples("kopf.dev", ("clusterkopfpeerings", "kopfpeerings"), (*READ, "patch"))
+    # create: the operator makes its own peering object at start-up (operator/peering.py)
+    | triples("kopf.dev", ("clusterkopfpeerings", "kopfpeerings"), (*READ, "create", "patch"))
     | triples("", ("events",), ("create",))
     | triples("events.k8s.io", ("events",), ("create",))
     | triples("kvferry.io", ("disaggregatedinferences",), (*READ, "patch"))
