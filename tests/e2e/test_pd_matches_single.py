@@ -25,7 +25,9 @@ if kvferry_connector_available():
         # Known bug (issue 4): only the 128-token prompt diverges, after 7 equal tokens: exactly one
         # producer block (128) landing in two consumer blocks (64). Ruled out (2026-11-30): block size
         # itself (single instances at 64 and 128 agree on every prompt) and the NIXL mapping (tests/nixl
-        # moves 127 and 128 tokens 128 -> 64 exactly). So it is in the vLLM glue at that boundary.
+        # moves 127 and 128 tokens 128 -> 64 exactly). Prompt sweep (same day): P128/D64 fails at 128
+        # and 384 tokens (an odd number of full producer blocks), passes at 64/192/256/320; P64/D64 and
+        # P128/D128 pass at all six. So it is in the vLLM glue for mixed block sizes.
         pytest.param(
             ("kvferry", 128, 64),
             marks=pytest.mark.xfail(reason="128-token prompt diverges at P128/D64: known bug, issue 4"),
