@@ -135,13 +135,9 @@ def health(
     wrong = sorted(b for b in producer.backends | consumer.backends if b != "LIBFABRIC")
     if producer.ucx_on_efa or consumer.ucx_on_efa:
         wrong = wrong or ["UCX"]
+    by_role = (("prefill", producer), ("decode", consumer))  # messages name the pods to look at
     if (efa and wrong) or producer.ucx_on_efa or consumer.ucx_on_efa:
-        # Name the roles, so the message says which pods to look at.
-        roles = [
-            role
-            for role, s in (("prefill", producer), ("decode", consumer))
-            if s.ucx_on_efa or (efa and s.backends - {"LIBFABRIC"})
-        ]
+        roles = [role for role, s in by_role if s.ucx_on_efa or (efa and s.backends - {"LIBFABRIC"})]
         who = " and ".join(roles) or "engine"
         return (
             "False",
@@ -151,13 +147,9 @@ def health(
                 "bandwidth (UCX falls back to TCP)"
             ),
         )
-    checks = [
-        (role, c)
-        for role, s in (("prefill", producer), ("decode", consumer))
-        for c in sorted(s.failed_checks)
-    ]
+    checks = [f"{role} {check}" for role, s in by_role for check in sorted(s.failed_checks)]
     if checks:
-        what = ", ".join(f"{role} {check}" for role, check in checks)
+        what = ", ".join(checks)
         return (
             "False",
             Reason.PREFLIGHT_FAILED,
