@@ -2,6 +2,11 @@
 kvferry push (when its connector exists), then print the P/D overhead TTFT(P/D) - TTFT(single) per mode
 and the kvferry / upstream-push ratios, side by side.
 
+Two baselines: `single` gets both cores (the same total CPU as a P/D pair); `single-1core` gets one
+core, the resources of one P/D engine (as one GPU per engine in a GPU comparison). Against
+`single-1core` the overhead is what disaggregation itself costs (legs, transfer, decode's first
+step); against `single` it also includes prefill running on one core instead of two.
+
     python bench/pd_compare.py --out bench/results/pd_compare
 
 Modes run one after another on the same machine (at most 2 vLLM servers alive at a time). Upstream
@@ -26,7 +31,8 @@ from kvferry.connector.promtext import parse_metrics
 from kvferry.connector.serve import ServerSpec, VllmProcess, free_port
 from kvferry.local.tinymodel import ensure
 
-ALL_MODES = ("single", "vllm-pull", "vllm-push", "kvferry")
+ALL_MODES = ("single", "single-1core", "vllm-pull", "vllm-push", "kvferry")
+SINGLE_CORES = {"single": "0-1", "single-1core": "0"}
 ROUTER_STATS: dict[str, dict[str, float]] = {}
 
 
@@ -35,8 +41,9 @@ def measure(
 ) -> list[loadbench.Cell]:
     """Start the mode's servers, sweep, stop them (by PID) even on failure."""
     print(f"== {mode}: starting", flush=True)
-    if mode == "single":
-        server = VllmProcess(ServerSpec(model=model, port=free_port(), cores="0-1"), workdir / "single.log")
+    if mode in SINGLE_CORES:
+        spec = ServerSpec(model=model, port=free_port(), cores=SINGLE_CORES[mode])
+        server = VllmProcess(spec, workdir / f"{mode}.log")
         with server:
             return loadbench.run_sweep(replace(sweep, url=server.url))
     stack = PdStack(mode, model, workdir / mode, no_progress_thread=not stock, kvferry_extra=kvferry_extra)
@@ -64,21 +71,25 @@ def _ratio(a: float, b: float) -> str:
 
 
 def comparison(results: dict[str, list[loadbench.Cell]]) -> str:
-    """TTFT p50 per mode, overhead vs single, and kvferry / upstream-push ratios, one row per cell."""
+    """TTFT p50 per mode, overhead vs each single baseline, and kvferry / upstream-push ratios (TTFT,
+    overhead, TPOT), one row per cell."""
     modes = [m for m in ALL_MODES if m in results]
-    pd_modes = [m for m in modes if m != "single"]
-    head = ["prompt", "rate"] + [f"TTFT p50 {m}" for m in modes]
-    head += [f"overhead {m}" for m in pd_modes if "single" in results]
+    pd_modes = [m for m in modes if m not in SINGLE_CORES]
+    bases = [b for b in SINGLE_CORES if b in results]
     ratio = "kvferry" in results and "vllm-push" in results
-    if ratio:
-        head += ["TTFT kvferry/push", "TPOT kvferry/push"]
+    head = ["prompt", "rate"] + [f"TTFT p50 {m}" for m in modes]
+    for b in bases:
+        head += [f"overhead vs {b} {m}" for m in pd_modes]
+        head += [f"overhead vs {b} kvferry/push"] if ratio else []
+    head += ["TTFT kvferry/push", "TPOT kvferry/push"] if ratio else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ttft = lambda m, i: results[m][i].ttft_ms["p50"]  # noqa: E731
     for i, cell in enumerate(results[modes[0]]):
-        row = [str(cell.length), f"{cell.rate:g}"]
-        row += [f"{results[m][i].ttft_ms['p50']:.1f}" for m in modes]
-        if "single" in results:
-            base = results["single"][i].ttft_ms["p50"]
-            row += [f"{results[m][i].ttft_ms['p50'] - base:+.1f}" for m in pd_modes]
+        row = [str(cell.length), f"{cell.rate:g}"] + [f"{ttft(m, i):.1f}" for m in modes]
+        for b in bases:
+            row += [f"{ttft(m, i) - ttft(b, i):+.1f}" for m in pd_modes]
+            if ratio:
+                row.append(_ratio(ttft("kvferry", i) - ttft(b, i), ttft("vllm-push", i) - ttft(b, i)))
         if ratio:
             k, p = results["kvferry"][i], results["vllm-push"][i]
             row += [_ratio(k.ttft_ms["p50"], p.ttft_ms["p50"]), _ratio(k.tpot_ms["p50"], p.tpot_ms["p50"])]
@@ -130,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     tables = "\n".join(loadbench.markdown(results[m], m) for m in results)
     summary = comparison(results)
     stats = "\n".join(
-        f"- {m}: {ROUTER_STATS.get(m) or 'no recomputes, no failed legs'}" for m in modes if m != "single"
+        f"- {m}: {ROUTER_STATS.get(m) or 'no recomputes, no failed legs'}"
+        for m in modes
+        if m not in SINGLE_CORES
     )
     summary += "\nRouter recoveries during the sweep (kvferry_router_* counters):\n\n" + stats + "\n"
     print("\n" + tables + "\n### P/D overhead and ratios (TTFT in ms)\n\n" + summary)

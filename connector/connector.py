@@ -42,7 +42,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: KvferryScheduler | None = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = KvferryScheduler(self.cfg, tc.is_kv_producer)
+            self._scheduler = KvferryScheduler(self.cfg, tc.is_kv_producer, early_handoff(vllm_config))
         else:
             from kvferry.connector.worker import KvferryWorker  # NIXL is imported by workers only
 
@@ -90,10 +90,13 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.work.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, KvferryMetadata)
+        self.work.on_step(connector_metadata)  # before the forward pass, unlike start_load_kv here
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvferryMetadata)
-        self.work.start_load_kv(meta)
+        return None  # done in bind_connector_metadata: vLLM 0.32 calls this after the forward pass
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # whole-request push: nothing is loaded layer by layer
@@ -101,10 +104,10 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        return None  # the producer writes after the request finishes, from the endpoint thread
+        return None  # the producer writes whole requests after the forward pass (wait_for_save)
 
     def wait_for_save(self) -> None:
-        return None
+        self.work.after_forward()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         return self.work.get_transfer_results()
@@ -133,6 +136,16 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KvferryPromMetrics:
         return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def early_handoff(vllm_config: VllmConfig) -> bool:
+    """Push a prefill right after its forward pass (scheduler.py): only where the forward is synchronous
+    (CPU) and the request finishes in the same step's output (no async scheduling, no pipeline)."""
+    return (
+        vllm_config.device_config.device_type == "cpu"
+        and not vllm_config.scheduler_config.async_scheduling
+        and vllm_config.parallel_config.pipeline_parallel_size == 1
+    )
 
 
 @dataclass

@@ -3,6 +3,14 @@
 Runs in vLLM's engine-core process. It decides nothing about transfers (protocol.py does, on the
 workers); it validates the kvferry params, records what each worker must do this step, and keeps the
 few sets vLLM needs: requests waiting for KV, and finished prefills whose blocks are held.
+
+Early hand-off: a prefill leg (max_tokens 1) whose whole prompt runs in one step is handed to the
+workers in that step's metadata (`early`), and the worker starts the push right after the forward
+pass (`wait_for_save`), instead of one engine step later from `request_finished`; under load that
+next step is often another request's whole prefill. Only where it is safe without a device sync or
+a reorder: CPU KV caches (the forward is synchronous), no async scheduling and no pipeline
+parallelism (so the request finishes in that same step's output, before any later schedule can
+touch its blocks). `request_finished` then only holds the blocks until the worker reports them sent.
 """
 
 from __future__ import annotations
@@ -50,13 +58,16 @@ class KvferryMetadata(KVConnectorMetadata):
     expects: list[Expect] = field(default_factory=list)  # consumer: register and wait
     invalid: list[tuple[str, str]] = field(default_factory=list)  # consumer: fail at once (req_id, why)
     finished: list[Finished] = field(default_factory=list)  # producer: hand blocks over
+    early: list[Finished] = field(default_factory=list)  # producer: hand over after this step's forward
     aborted: list[tuple[str, int]] = field(default_factory=list)  # either: (request_id, attempt) gave up
 
 
 class KvferryScheduler:
-    def __init__(self, cfg: KvferryConfig, is_producer: bool) -> None:
-        self.cfg, self.is_producer = cfg, is_producer
+    def __init__(self, cfg: KvferryConfig, is_producer: bool, early_handoff: bool = False) -> None:
+        self.cfg, self.is_producer, self.early_handoff = cfg, is_producer, early_handoff
         self._step = KvferryMetadata()
+        self._candidates: dict[str, tuple[Request, list[list[int]]]] = {}  # producer: allocated this step
+        self._early: set[str] = set()  # producer: handed over early, request_finished not yet seen
         self._registered: dict[str, ConsumerParams | None] = {}  # consumer: req_id -> params (None: invalid)
         self._holding: dict[str, float] = {}  # producer: req_id -> time after which we stop stepping for it
 
@@ -74,7 +85,11 @@ class KvferryScheduler:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        if self.is_producer or num_external_tokens <= 0 or request.request_id in self._registered:
+        if self.is_producer:
+            if self._early_candidate(request):
+                self._candidates[request.request_id] = (request, [list(g) for g in blocks.get_block_ids()])
+            return
+        if num_external_tokens <= 0 or request.request_id in self._registered:
             return
         try:
             params = parse(request.kv_transfer_params or {}, "consumer", self.cfg.deadline_s)
@@ -88,8 +103,37 @@ class KvferryScheduler:
         num_tokens = request.num_computed_tokens + num_external_tokens
         self._step.expects.append(Expect(request.request_id, params, block_ids, num_tokens))
 
+    # ---- producer: early hand-off ----
+    def _early_candidate(self, request: Request) -> bool:
+        sampling = getattr(request, "sampling_params", None)
+        return (
+            self.early_handoff
+            and request.num_computed_tokens == 0
+            and sampling is not None
+            and sampling.max_tokens == 1
+            and wants_transfer(request.kv_transfer_params) == "producer"
+        )
+
+    def _take_early(self, scheduler_output: SchedulerOutput) -> list[Finished]:
+        """Candidates whose whole prompt runs in this step (a chunked prefill goes the usual way)."""
+        out = []
+        for req_id, (request, block_ids) in self._candidates.items():
+            num_tokens = len(request.prompt_token_ids or ())
+            if scheduler_output.num_scheduled_tokens.get(req_id, 0) < num_tokens:
+                continue
+            try:
+                params = parse(request.kv_transfer_params or {}, "producer", self.cfg.deadline_s)
+            except ParamsError:
+                continue  # request_finished reports it
+            out.append(Finished(req_id, params, block_ids, num_tokens))
+            self._early.add(req_id)
+        self._candidates.clear()
+        return out
+
     # ---- both ----
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvferryMetadata:
+        if self._candidates:
+            self._step.early = self._take_early(scheduler_output)
         step, self._step = self._step, KvferryMetadata()
         return step
 
@@ -104,6 +148,12 @@ class KvferryScheduler:
             return False, None
         if wants_transfer(request.kv_transfer_params) != "producer":
             return False, None
+        if request.request_id in self._early:
+            # Already handed over (its KV is complete even if the request was aborted since): hold the
+            # blocks until the worker reports the push sent or released.
+            self._early.discard(request.request_id)
+            params = parse(request.kv_transfer_params or {}, "producer", self.cfg.deadline_s)
+            return self._hold(request.request_id, params)
         try:
             params = parse(request.kv_transfer_params or {}, "producer", self.cfg.deadline_s)
         except ParamsError as exc:
@@ -116,10 +166,12 @@ class KvferryScheduler:
         self._step.finished.append(
             Finished(request.request_id, params, [list(g) for g in block_ids], num_tokens)
         )
-        self._holding[request.request_id] = time.monotonic() + self.cfg.lease_s + 5.0
-        return True, {
-            "kvferry": {"request_id": params.request_id, "attempt": params.attempt, "pushing": True}
-        }
+        return self._hold(request.request_id, params)
+
+    def _hold(self, req_id: str, params: ProducerParams) -> tuple[bool, dict]:
+        self._holding[req_id] = time.monotonic() + self.cfg.lease_s + 5.0
+        block = {"request_id": params.request_id, "attempt": params.attempt, "pushing": True}
+        return True, {"kvferry": block}
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_sending or ():
@@ -134,4 +186,4 @@ class KvferryScheduler:
         return bool(self._holding)
 
     def pending(self) -> dict[str, Any]:
-        return {"registered": len(self._registered), "holding": len(self._holding)}
+        return {"registered": len(self._registered), "holding": len(self._holding), "early": len(self._early)}

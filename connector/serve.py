@@ -7,6 +7,9 @@ Fixes applied in code, not with a sitecustomize shim:
   have and runs ~10x slower), `VLLM_CPU_KVCACHE_SPACE` bounds the KV cache, the hub is offline.
 - NIXL's CPU worker init re-pins the worker's main thread to the last core; `VllmProcess.pin()`
   moves the worker back onto its cores once the server is up.
+- vLLM's engine<->worker shared-memory queue spins on sched_yield for 1 s after every message, which
+  on a small host starves the API servers and the other engine: `KVFERRY_SHM_WAIT_SLEEP_S` makes
+  it sleep 0.1 ms per check instead (shm_wait.py; an explicit value in the environment wins).
 - Opt-in `no_progress_thread` turns off the UCX progress thread of upstream NIXL connectors (a
   patch of upstream behaviour, see upstream_patches.py).
 
@@ -30,6 +33,7 @@ from typing import IO, Any
 
 import httpx
 from kvferry.connector.promtext import metric_sum, parse_metrics
+from kvferry.connector.shm_wait import DEFAULT_SLEEP_S, ENV_SHM_WAIT_SLEEP_S
 from kvferry.connector.upstream_patches import ENV_NO_PROGRESS_THREAD
 
 __all__ = ["ServerSpec", "VllmProcess", "free_port", "metric_sum", "parse_metrics"]
@@ -123,6 +127,7 @@ def launch_env(
         PYTHONUNBUFFERED="1",  # logs reach the file as they happen, not at exit
         VLLM_HOST_IP="127.0.0.1",  # vLLM's internal sockets stay on loopback too
     )
+    env.setdefault(ENV_SHM_WAIT_SLEEP_S, f"{DEFAULT_SLEEP_S:g}")
     if no_progress_thread:
         env[ENV_NO_PROGRESS_THREAD] = "1"
     else:
@@ -226,6 +231,18 @@ class VllmProcess:
             except (OSError, ValueError):
                 continue  # a thread or process ended meanwhile
         return moved
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) used so far by the server and all its children."""
+        assert self.proc is not None
+        tick, total = os.sysconf("SC_CLK_TCK"), 0
+        for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # ended meanwhile
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / tick
 
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10.0).text)

@@ -14,7 +14,7 @@ from kvferry.connector.config import KvferryConfig
 from kvferry.connector.endpoint import Endpoint, Key
 from kvferry.connector.layout import KVLayout
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.scheduler import KvferryMetadata
+from kvferry.connector.scheduler import Finished, KvferryMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 if TYPE_CHECKING:
@@ -87,6 +87,8 @@ class KvferryWorker:
         self._ratio = 1  # kernel blocks per logical block
         self._req_of: dict[Key, str] = {}  # kvferry key -> vLLM request id, until its result
         self._failed_now: list[tuple[str, str]] = []
+        self._early: list[Finished] = []  # this step's prefills to hand over after the forward pass
+        self._bound: KvferryMetadata | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         model = self.vllm_config.model_config
@@ -123,9 +125,18 @@ class KvferryWorker:
         r = self._ratio
         return groups if r == 1 else [[b * r + i for b in g for i in range(r)] for g in groups]
 
-    def start_load_kv(self, meta: KvferryMetadata) -> None:
+    def on_step(self, meta: KvferryMetadata) -> None:
+        """A step's metadata, as vLLM binds it before the forward pass: registrations and hand-offs go
+        out now, not after this step's forward (which may be another request's whole prefill)."""
+        if meta is self._bound:
+            return  # bound again within the same step
+        self._bound = meta
         ep = self.endpoint
-        assert ep is not None, "register_kv_caches() first"
+        if ep is None:  # vLLM's start-up dummy runs come before register_kv_caches, with empty metadata
+            work = meta.expects or meta.finished or meta.early or meta.aborted
+            assert not work, "register_kv_caches() first"
+            return
+        self._early = list(meta.early)
         for e in meta.expects:
             p = e.params
             self._req_of[(p.request_id, p.attempt)] = e.req_id
@@ -142,18 +153,30 @@ class KvferryWorker:
             )
         self._failed_now += meta.invalid
         for f in meta.finished:
-            p = f.params
-            self._req_of[(p.request_id, p.attempt)] = f.req_id
-            ep.prefill_finished(
-                p.request_id, p.attempt, self._kernel_ids(f.block_ids), f.num_tokens, p.consumer_engine
-            )
+            self._hand_over(f)
         for rid, attempt in meta.aborted:
             (ep.prefill_aborted if self.is_producer else ep.abort)(rid, attempt)
+
+    def after_forward(self) -> None:
+        """This step's forward pass has written the KV of its early prefills: push them now."""
+        early, self._early = self._early, []
+        for f in early:
+            self._hand_over(f)
+
+    def _hand_over(self, f: Finished) -> None:
+        assert self.endpoint is not None
+        p = f.params
+        self._req_of[(p.request_id, p.attempt)] = f.req_id
+        self.endpoint.prefill_finished(
+            p.request_id, p.attempt, self._kernel_ids(f.block_ids), f.num_tokens, p.consumer_engine
+        )
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
         if self.endpoint is None:
             return out
+        if self._req_of:
+            self.endpoint.kick()  # something is in flight: progress it at this step's cadence
         r = self.endpoint.take_results()
         for key in r.sent + [k for k, _ in r.released]:
             if (req := self._req_of.pop(key, None)) is not None:

@@ -9,7 +9,7 @@ import pytest
 from kvferry.connector.serve import ServerSpec, VllmProcess, free_port
 from kvferry.local.tinymodel import ensure
 
-from .pdclient import outputs
+from .pdclient import outputs, reference_gaps
 
 
 @pytest.fixture(scope="session")
@@ -18,9 +18,20 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="session")
-def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Greedy outputs of one plain vLLM instance; stopped before any P/D pair starts (memory)."""
+def single_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One plain vLLM instance: its greedy outputs and their top-2 logprob gaps; stopped before any
+    P/D pair starts (memory)."""
     log = tmp_path_factory.mktemp("single") / "single.log"
     spec = ServerSpec(model=tiny_model, port=free_port(), cores="0-1")
     with VllmProcess(spec, log) as single:
-        return outputs(single.url)
+        return {"outputs": outputs(single.url), "gaps": reference_gaps(single.url)}
+
+
+@pytest.fixture(scope="session")
+def reference(single_run: dict[str, Any]) -> dict[str, Any]:
+    return single_run["outputs"]
+
+
+@pytest.fixture(scope="session")
+def gaps(single_run: dict[str, Any]) -> dict[str, list[float]]:
+    return single_run["gaps"]

@@ -1,4 +1,5 @@
-"""scheduler glue: bad params fail one request (never raise), producers hold blocks only while pushing."""
+"""scheduler glue: bad params fail one request (never raise), producers hold blocks only while pushing,
+and a one-step prefill leg is handed over right after its forward pass (early hand-off)."""
 
 from __future__ import annotations
 
@@ -103,3 +104,61 @@ def test_producer_holds_blocks_only_for_pushed_finishes():
     bad = request({"do_remote_decode": True}, RequestStatus.FINISHED_LENGTH_CAPPED)
     hold, params = s.request_finished(bad, ([1],))
     assert not hold and "kvferry is missing" in params["kvferry_error"]
+
+
+def early_scheduler(enabled: bool = True) -> KvferryScheduler:
+    cfg = KvferryConfig.from_extra({"backends": ["UCX"], "lease_s": 30})
+    return KvferryScheduler(cfg, is_producer=True, early_handoff=enabled)
+
+
+def prefill_leg(max_tokens: int = 1) -> SimpleNamespace:
+    req = request(PREFILL)
+    req.sampling_params = SimpleNamespace(max_tokens=max_tokens)
+    return req
+
+
+def step(req_id: str, tokens: int) -> SimpleNamespace:
+    return SimpleNamespace(num_scheduled_tokens={req_id: tokens})
+
+
+def test_a_one_step_prefill_leg_is_handed_over_in_its_own_step_and_only_once():
+    s = early_scheduler()
+    req = prefill_leg()
+    s.update_state_after_alloc(req, BLOCKS, 0)
+    meta = s.build_connector_meta(step(req.request_id, 300))
+    assert [(f.req_id, f.block_ids, f.num_tokens, f.params.request_id) for f in meta.early] == [
+        (req.request_id, [[4, 5, 6]], 300, "abc")
+    ]
+    assert meta.finished == []
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    hold, params = s.request_finished(req, ([4, 5, 6],))
+    assert hold and params["kvferry"]["pushing"] and s.has_pending_push_work()
+    later = s.build_connector_meta(step("other", 1))
+    assert later.finished == [] and later.early == [] and later.aborted == []
+    s.update_connector_output(SimpleNamespace(finished_sending={req.request_id}))
+    assert not s.has_pending_push_work() and s.pending()["early"] == 0
+
+
+def test_an_early_prefill_aborted_afterwards_still_holds_its_blocks_until_sent():
+    s = early_scheduler()
+    req = prefill_leg()
+    s.update_state_after_alloc(req, BLOCKS, 0)
+    s.build_connector_meta(step(req.request_id, 300))
+    req.status = RequestStatus.FINISHED_ABORTED  # the push may be in flight: blocks must stay
+    assert s.request_finished(req, ([4, 5, 6],))[0] is True
+    assert s.build_connector_meta(step("other", 1)).aborted == []
+
+
+@pytest.mark.parametrize(
+    ("enabled", "max_tokens", "scheduled"),
+    [(False, 1, 300), (True, 2, 300), (True, 1, 200)],
+    ids=["disabled", "not-a-prefill-leg", "chunked-prefill"],
+)
+def test_other_prefills_are_handed_over_when_they_finish(enabled, max_tokens, scheduled):
+    s = early_scheduler(enabled)
+    req = prefill_leg(max_tokens)
+    s.update_state_after_alloc(req, BLOCKS, 0)
+    assert s.build_connector_meta(step(req.request_id, scheduled)).early == []
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert s.request_finished(req, ([4, 5, 6],))[0] is True
+    assert [f.req_id for f in s.build_connector_meta(step("other", 1)).finished] == [req.request_id]

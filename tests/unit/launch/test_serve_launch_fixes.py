@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from kvferry.connector.serve import ServerSpec, command, kv_transfer_config, parse_cores, server_env
+from kvferry.connector.shm_wait import ENV_SHM_WAIT_SLEEP_S, sleep_from_env
 from kvferry.connector.upstream_patches import ENV_NO_PROGRESS_THREAD
 from kvferry.local.tinymodel import recipe, recipe_hash
 
@@ -99,3 +100,23 @@ def test_cli_execs_the_server_module_with_model_first(monkeypatch: pytest.Monkey
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and env[ENV_NO_PROGRESS_THREAD] == "1"
     with pytest.raises(SystemExit):
         serve.main(["--cores", "auto", "--", "/models/tiny"])
+
+
+def test_env_makes_vllm_shm_queue_sleep_unless_the_caller_chose() -> None:
+    assert server_env(spec(), base={})[ENV_SHM_WAIT_SLEEP_S] == "0.0001"
+    assert server_env(spec(), base={ENV_SHM_WAIT_SLEEP_S: "0"})[ENV_SHM_WAIT_SLEEP_S] == "0"
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"), [(None, None), ("0", None), ("", None), ("0.0001", 0.0001), ("0.01", 0.01)]
+)
+def test_shm_wait_sleep_parses(raw: str | None, want: float | None) -> None:
+    assert sleep_from_env({} if raw is None else {ENV_SHM_WAIT_SLEEP_S: raw}) == want
+
+
+@pytest.mark.parametrize(
+    ("raw", "error"), [("fast", "not a number"), ("-1", "must be in"), ("0.5", "must be in")]
+)
+def test_shm_wait_sleep_rejects_bad_values_naming_the_variable(raw: str, error: str) -> None:
+    with pytest.raises(ValueError, match=f"{ENV_SHM_WAIT_SLEEP_S}=.*{error}"):
+        sleep_from_env({ENV_SHM_WAIT_SLEEP_S: raw})

@@ -1,0 +1,38 @@
+"""pd_compare's summary: overhead against both single baselines and the kvferry / push ratios."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from kvferry.connector.loadbench import Cell
+
+_spec = importlib.util.spec_from_file_location(
+    "pd_compare", Path(__file__).parents[3] / "bench" / "pd_compare.py"
+)
+assert _spec is not None and _spec.loader is not None
+pd_compare = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pd_compare)
+
+
+def cell(ttft: float, tpot: float = 5.0) -> list[Cell]:
+    return [Cell(256, 1.0, 10, 0, ttft_ms={"p50": ttft}, tpot_ms={"p50": tpot})]
+
+
+def test_overheads_and_ratios_against_both_baselines() -> None:
+    results = {
+        "single": cell(30.0), "single-1core": cell(40.0), "vllm-push": cell(80.0, 4.0),
+        "kvferry": cell(60.0, 2.0),
+    }  # fmt: skip
+    table = pd_compare.comparison(results)
+    head, _, row = table.splitlines()[:3]
+    assert "overhead vs single kvferry/push" in head and "overhead vs single-1core kvferry/push" in head
+    # vs single: push +50, kvferry +30 -> 0.60; vs one core: +40, +20 -> 0.50; TTFT 0.75, TPOT 0.50.
+    assert row == (
+        "| 256 | 1 | 30.0 | 40.0 | 80.0 | 60.0 | +50.0 | +30.0 | 0.60 | +40.0 | +20.0 | 0.50 | 0.75 | 0.50 |"
+    )
+
+
+def test_without_kvferry_there_are_no_ratio_columns() -> None:
+    table = pd_compare.comparison({"single": cell(30.0), "vllm-push": cell(80.0)})
+    assert "kvferry/push" not in table and "| 256 | 1 | 30.0 | 80.0 | +50.0 |" in table
