@@ -70,6 +70,11 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b and not (math.isnan(a) or math.isnan(b)) else "n/a"
 
 
+def _delta(a: float, b: float) -> str:
+    """a - b in ms; n/a when a cell had no successful request (a wedged mode)."""
+    return "n/a" if math.isnan(a) or math.isnan(b) else f"{a - b:+.1f}"
+
+
 def comparison(results: dict[str, list[loadbench.Cell]]) -> str:
     """TTFT p50 per mode, overhead vs each single baseline, and kvferry / upstream-push ratios (TTFT,
     overhead, TPOT), one row per cell."""
@@ -87,7 +92,7 @@ def comparison(results: dict[str, list[loadbench.Cell]]) -> str:
     for i, cell in enumerate(results[modes[0]]):
         row = [str(cell.length), f"{cell.rate:g}"] + [f"{ttft(m, i):.1f}" for m in modes]
         for b in bases:
-            row += [f"{ttft(m, i) - ttft(b, i):+.1f}" for m in pd_modes]
+            row += [_delta(ttft(m, i), ttft(b, i)) for m in pd_modes]
             if ratio:
                 row.append(_ratio(ttft("kvferry", i) - ttft(b, i), ttft("vllm-push", i) - ttft(b, i)))
         if ratio:

@@ -36,3 +36,10 @@ def test_overheads_and_ratios_against_both_baselines() -> None:
 def test_without_kvferry_there_are_no_ratio_columns() -> None:
     table = pd_compare.comparison({"single": cell(30.0), "vllm-push": cell(80.0)})
     assert "kvferry/push" not in table and "| 256 | 1 | 30.0 | 80.0 | +50.0 |" in table
+
+
+def test_a_cell_without_successful_requests_reads_n_a() -> None:
+    table = pd_compare.comparison(
+        {"single": cell(30.0), "vllm-push": cell(float("nan")), "kvferry": cell(60.0)}
+    )
+    assert "| 256 | 1 | 30.0 | nan | 60.0 | n/a | +30.0 | n/a | n/a | 1.00 |" in table
