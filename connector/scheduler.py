@@ -67,7 +67,7 @@ class KvferryScheduler:
         self.cfg, self.is_producer, self.early_handoff = cfg, is_producer, early_handoff
         self._step = KvferryMetadata()
         self._candidates: dict[str, tuple[Request, list[list[int]]]] = {}  # producer: allocated this step
-        self._early: set[str] = set()  # producer: handed over early, request_finished not yet seen
+        self._early: dict[str, ProducerParams] = {}  # producer: handed over, request_finished not yet seen
         self._registered: dict[str, ConsumerParams | None] = {}  # consumer: req_id -> params (None: invalid)
         self._holding: dict[str, float] = {}  # producer: req_id -> time after which we stop stepping for it
 
@@ -126,7 +126,7 @@ class KvferryScheduler:
             except ParamsError:
                 continue  # request_finished reports it
             out.append(Finished(req_id, params, block_ids, num_tokens))
-            self._early.add(req_id)
+            self._early[req_id] = params
         self._candidates.clear()
         return out
 
@@ -148,12 +148,11 @@ class KvferryScheduler:
             return False, None
         if wants_transfer(request.kv_transfer_params) != "producer":
             return False, None
-        if request.request_id in self._early:
+        early = self._early.pop(request.request_id, None)
+        if early is not None:
             # Already handed over (its KV is complete even if the request was aborted since): hold the
             # blocks until the worker reports the push sent or released.
-            self._early.discard(request.request_id)
-            params = parse(request.kv_transfer_params or {}, "producer", self.cfg.deadline_s)
-            return self._hold(request.request_id, params)
+            return self._hold(request.request_id, early)
         try:
             params = parse(request.kv_transfer_params or {}, "producer", self.cfg.deadline_s)
         except ParamsError as exc:
