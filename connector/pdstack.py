@@ -81,22 +81,6 @@ class RouterProcess:
                 self.proc.wait(10)
 
 
-PORT_TAKEN = "Address already in use"
-
-
-def _ready_or_restart(server: VllmProcess, timeout_s: float) -> None:
-    """Wait for /health; restart once if vLLM died on a port another process took first. Two servers
-    starting at once can pick the same free port for vLLM's internal ZMQ sockets (seen in CI:
-    `ZMQError: Address already in use`); a second start picks again."""
-    try:
-        server.wait_ready(timeout_s)
-    except RuntimeError as exc:
-        if PORT_TAKEN not in str(exc) and PORT_TAKEN not in server.log_tail(20000):
-            raise
-        server.stop()
-        server.start().wait_ready(timeout_s)
-
-
 @dataclass
 class PdStack:
     """Prefill + decode + router for one mode; `start()` waits until all are healthy."""
@@ -146,8 +130,8 @@ class PdStack:
         try:
             self.prefill = self._server("prefill", "0", self.prefill_block_size).start()
             self.decode = self._server("decode", "1", self.decode_block_size).start()
-            for server in (self.prefill, self.decode):
-                _ready_or_restart(server, ready_timeout_s)
+            self.prefill.wait_ready(ready_timeout_s)
+            self.decode.wait_ready(ready_timeout_s)
             # NIXL's worker init re-pins the model thread to the last core; put each back on its own.
             self.prefill.pin()
             self.decode.pin()

@@ -40,6 +40,8 @@ __all__ = ["ServerSpec", "VllmProcess", "free_port", "metric_sum", "parse_metric
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ROLES = ("single", "prefill", "decode")
+PORT_TAKEN = "Address already in use"
+LOG_SCAN_CHARS = 20000  # a start-up traceback and vLLM's shutdown noise after it
 UPSTREAM_CONNECTORS = ("NixlConnector", "NixlPushConnector")
 KVFERRY_CONNECTOR = "KvferryConnector"
 
@@ -201,7 +203,20 @@ class VllmProcess:
         return self
 
     def wait_ready(self, timeout_s: float = 600.0) -> VllmProcess:
-        """Poll /health until 200; raise with the log tail if the process dies or time runs out."""
+        """Poll /health until 200; raise with the log tail if the process dies or time runs out.
+
+        Restarts once when vLLM died on a port another process took first: servers starting at once
+        can pick the same free port for vLLM's internal ZMQ sockets (seen in CI: `ZMQError: Address
+        already in use`); a second start picks again."""
+        try:
+            return self._wait_healthy(timeout_s)
+        except RuntimeError:
+            if PORT_TAKEN not in self.log_tail(LOG_SCAN_CHARS):
+                raise
+        self.stop()
+        return self.start()._wait_healthy(timeout_s)
+
+    def _wait_healthy(self, timeout_s: float) -> VllmProcess:
         assert self.proc is not None, "start() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

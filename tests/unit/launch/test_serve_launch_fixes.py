@@ -7,7 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
-from kvferry.connector.serve import ServerSpec, command, kv_transfer_config, parse_cores, server_env
+from kvferry.connector.serve import (
+    ServerSpec,
+    VllmProcess,
+    command,
+    kv_transfer_config,
+    parse_cores,
+    server_env,
+)
 from kvferry.connector.shm_wait import ENV_SHM_WAIT_SLEEP_S, sleep_from_env
 from kvferry.connector.upstream_patches import ENV_NO_PROGRESS_THREAD
 from kvferry.local.tinymodel import recipe, recipe_hash
@@ -120,3 +127,41 @@ def test_shm_wait_sleep_parses(raw: str | None, want: float | None) -> None:
 def test_shm_wait_sleep_rejects_bad_values_naming_the_variable(raw: str, error: str) -> None:
     with pytest.raises(ValueError, match=f"{ENV_SHM_WAIT_SLEEP_S}=.*{error}"):
         sleep_from_env({ENV_SHM_WAIT_SLEEP_S: raw})
+
+
+class _Scripted(VllmProcess):
+    """wait_ready's restart logic with the process side scripted: each attempt dies with `deaths`."""
+
+    def __init__(self, deaths: list[str]) -> None:
+        super().__init__(ServerSpec(model=Path("/m"), port=1))
+        self.deaths, self.log, self.starts, self.stops = deaths, "", 0, 0
+
+    def start(self) -> VllmProcess:
+        self.starts += 1
+        return self
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        self.stops += 1
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log
+
+    def _wait_healthy(self, timeout_s: float) -> VllmProcess:
+        if self.deaths:
+            self.log = self.deaths.pop(0)
+            raise RuntimeError(f"vLLM single exited with 1: {self.log}")
+        return self
+
+
+def test_a_server_that_lost_a_port_race_is_restarted_once() -> None:
+    server = _Scripted(["zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:1')"])
+    assert server.wait_ready(1) is server and (server.stops, server.starts) == (1, 1)
+
+
+def test_other_deaths_and_a_second_port_race_are_raised() -> None:
+    with pytest.raises(RuntimeError, match="CUDA"):
+        _Scripted(["no CUDA"]).wait_ready(1)
+    twice = _Scripted(["Address already in use", "Address already in use"])
+    with pytest.raises(RuntimeError, match="Address already in use"):
+        twice.wait_ready(1)
+    assert twice.starts == 1
