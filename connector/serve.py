@@ -160,16 +160,20 @@ def parse_cores(cores: str) -> set[int]:
     return result
 
 
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat after the command name (state, ppid, ...), or None if the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or (fields := _stat_fields(entry.name)) is None:
             continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -252,11 +256,8 @@ class VllmProcess:
         assert self.proc is not None
         tick, total = os.sysconf("SC_CLK_TCK"), 0
         for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # ended meanwhile
-            total += int(fields[11]) + int(fields[12])  # utime, stime
+            if (fields := _stat_fields(pid)) is not None:  # None: ended meanwhile
+                total += int(fields[11]) + int(fields[12])  # utime, stime
         return total / tick
 
     def metrics(self) -> dict[str, float]:

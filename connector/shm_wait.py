@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ DEFAULT_SLEEP_S = 0.0001
 MAX_SLEEP_S = 0.01  # longer sleeps would add that much latency to every engine step
 
 
-def sleep_from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> float | None:
+def sleep_from_env(environ: Mapping[str, str] = os.environ) -> float | None:
     """The configured sleep in seconds, None when unset or 0 (keep vLLM's sched_yield)."""
     raw = environ.get(ENV_SHM_WAIT_SLEEP_S)
     if raw is None or raw.strip() in ("", "0"):
