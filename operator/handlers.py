@@ -63,8 +63,17 @@ def owner_key(obj: Any) -> tuple[str, str] | None:
 
 
 def _first(index: Any, key: Any) -> Any:
-    store = index.get(key) if index is not None else None
-    return next(iter(store), None) if store else None
+    try:
+        store = index.get(key) if index is not None else None
+        return next(iter(store), None) if store else None
+    except RuntimeError:  # changed by the watch while this thread read it: take it as not seen
+        return None
+
+
+def watched_by(owned: Any, cr: Any) -> reconcile.Watched:
+    """The CR's workloads as the watch last saw them, looked up when asked (a reconcile runs long)."""
+    ns, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
+    return lambda role: _first(owned, (ns, name, role))
 
 
 def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
@@ -122,9 +131,12 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     @kopf.on.resume(*CR, id="reconcile", registry=registry)
     @kopf.on.create(*CR, id="reconcile", registry=registry)
     @kopf.on.update(*CR, id="reconcile", registry=registry)
-    def reconcile_cr(body: kopf.Body, memo: kopf.Memo, reason: kopf.Reason, **_: Any) -> None:
+    def reconcile_cr(
+        body: kopf.Body, memo: kopf.Memo, reason: kopf.Reason, owned: kopf.Index, **_: Any
+    ) -> None:
         trigger = getattr(reason, "value", str(reason))
-        outcome = timed(trigger, lambda: reconcile.reconcile(memo.kube, _plain(body), cfg, trigger=trigger))
+        kw = {"trigger": trigger, "watched": watched_by(owned, body)}
+        outcome = timed(trigger, lambda: reconcile.reconcile(memo.kube, _plain(body), cfg, **kw))
         post(body, outcome)
         raise_for(outcome)
 
@@ -147,8 +159,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
                 return
             if cr["metadata"].get("deletionTimestamp"):
                 return  # the GC is removing everything; re-applying would fight it
-            mine = {role: _first(owned, (*key, role)) for role in (*names.ROLES, "router")}
-            kw = {"event_type": event["type"], "obj": _plain(body), "owned": mine}
+            kw = {"event_type": event["type"], "obj": _plain(body), "watched": watched_by(owned, cr)}
             outcome = timed("owned", lambda: reconcile.on_owned_change(memo.kube, cr, cfg, **kw))
             post(_ref(cr), outcome)
 
@@ -161,8 +172,9 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     @kopf.timer(
         *CR, id="resync", interval=cfg.resync_interval, initial_delay=cfg.resync_interval, registry=registry
     )
-    def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-        run = lambda: reconcile.reconcile(memo.kube, _plain(body), cfg, trigger="resync")  # noqa: E731
+    def resync(body: kopf.Body, memo: kopf.Memo, owned: kopf.Index, **_: Any) -> None:
+        kw = {"trigger": "resync", "watched": watched_by(owned, body)}
+        run = lambda: reconcile.reconcile(memo.kube, _plain(body), cfg, **kw)  # noqa: E731
         post(body, timed("resync", run))
 
 

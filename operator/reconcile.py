@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvferry.operator import names, secrets, status
@@ -22,6 +22,13 @@ from kvferry.operator.status import ConditionType, EventReason, Observed
 
 log = logging.getLogger("kvferry.operator")
 Event = tuple[str, EventReason, str]  # (Normal|Warning, reason, message)
+# role ("prefill"/"decode"/"router") -> the operator's last watched copy of that workload, or None.
+Watched = Callable[[str], dict[str, Any] | None]
+REOBSERVE_ROUNDS = 3
+
+
+def no_watch(_role: str) -> dict[str, Any] | None:
+    return None
 
 
 @dataclass
@@ -88,6 +95,65 @@ def write_status(
     raise KubeError(409, f"status of {meta['namespace']}/{meta['name']} kept changing under us")
 
 
+def newer(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The later of two copies of one object: `b` only if its resourceVersion is provably higher.
+
+    Within one API server resourceVersions are etcd revisions (integers that only grow; comparable
+    by contract since Kubernetes 1.35's ComparableResourceVersion); anything else keeps `a`.
+    """
+    if a is None or b is None:
+        return a if b is None else b
+    ra, rb = (str(o["metadata"].get("resourceVersion", "")) for o in (a, b))
+    return b if ra.isdigit() and rb.isdigit() and int(rb) > int(ra) else a
+
+
+def freshest(observed: Observed, watched: Watched) -> Observed:
+    """`observed` with each workload replaced by the watch's copy where that one is newer."""
+    return replace(
+        observed,
+        statefulsets={r: newer(observed.statefulsets.get(r), watched(r)) for r in names.ROLES},
+        router=newer(observed.router, watched("router")),
+    )
+
+
+def _versions(observed: Observed) -> list[str | None]:
+    objs = [*(observed.statefulsets.get(r) for r in names.ROLES), observed.router]
+    return [o["metadata"].get("resourceVersion") if o else None for o in objs]
+
+
+def write_observed_status(
+    kube: Kube,
+    cr: dict[str, Any],
+    observed: Observed,
+    watched: Watched,
+    summarize: Callable[[dict[str, Any], Observed], dict[str, Any]],
+) -> dict[str, Any]:
+    """write_status from the newest workloads known, again if the watch moved on while writing.
+
+    Two writers summarize workloads into status: a reconcile (from its apply responses) and the
+    refresh on each workload event. Without this a reconcile that started before a pod became ready
+    could write last and leave "0/1 ready" until the next resync: the refresh of that event may have
+    run before the reconcile's write, or skipped because the CR had no status yet. The watch updates
+    its copies before it runs handlers, so re-checking them after the write closes that window.
+    """
+    used: list[Observed] = []
+
+    def compute(prev: dict[str, Any]) -> dict[str, Any]:
+        used.append(freshest(observed, watched))
+        return summarize(prev, used[-1])
+
+    meta = cr["metadata"]
+    patch = write_status(kube, cr, compute)
+    for _ in range(REOBSERVE_ROUNDS):
+        if _versions(freshest(observed, watched)) == _versions(used[-1]):
+            break
+        fresh = kube.get("DisaggregatedInference", meta["namespace"], meta["name"])
+        if fresh is None:
+            break
+        patch = write_status(kube, fresh, compute)
+    return patch
+
+
 def _without_transfer(status_: dict[str, Any]) -> dict[str, Any]:
     """The reconcile's part of status: everything but the transfer summary (the metrics timer's)."""
     return {k: v for k, v in status_.items() if k != "transfer"}
@@ -117,7 +183,9 @@ def flip_events(previous: dict[str, Any], new: dict[str, Any]) -> list[Event]:
     return events
 
 
-def reconcile(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, *, trigger: str) -> Outcome:
+def reconcile(
+    kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, *, trigger: str, watched: Watched = no_watch
+) -> Outcome:
     """Bring the cluster to what `cr` asks for, then write its status."""
     meta = cr["metadata"]
     ns, name, generation = meta["namespace"], meta["name"], meta.get("generation", 0)
@@ -188,16 +256,16 @@ def reconcile(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, *, trigger: s
         apply_error=out.failed,
         secret_error=secret_error,
     )
-    desired = _desired(cr, observed.statefulsets)
 
-    # Step 4: one status patch, written even when the apply failed.
-    def compute(prev: dict[str, Any]) -> dict[str, Any]:
+    # Step 4: one status patch, written even when the apply failed; a newer watched copy wins.
+    def compute(prev: dict[str, Any], seen: Observed) -> dict[str, Any]:
+        desired = _desired(cr, seen.statefulsets)
         new = status.summarize(
-            observed, revision=rendered.revision, desired=desired, previous=prev, **summarize_kw
+            seen, revision=rendered.revision, desired=desired, previous=prev, **summarize_kw
         )
         return _without_transfer(new)
 
-    out.status = write_status(kube, cr, compute)
+    out.status = write_observed_status(kube, cr, observed, watched, compute)
     out.events += flip_events(previous, out.status)
     return out
 
@@ -244,11 +312,11 @@ def on_owned_change(
     *,
     event_type: str,
     obj: dict[str, Any],
-    owned: dict[str, dict[str, Any]],
+    watched: Watched,
 ) -> Outcome:
     """A managed object changed: re-apply if it was deleted or edited, else just refresh status.
 
-    owned: the CR's StatefulSets ("prefill"/"decode") and router Deployment ("router") as last watched.
+    watched: the CR's StatefulSets ("prefill"/"decode") and router Deployment ("router") as last watched.
     """
     kind, obj_name = obj["kind"], obj["metadata"]["name"]
     try:
@@ -265,17 +333,17 @@ def on_owned_change(
     if autoscaled:
         mine.get("spec", {}).pop("replicas", None)
     if event_type == "DELETED" or drifted(mine, obj):
-        out = reconcile(kube, cr, cfg, trigger="drift")
+        out = reconcile(kube, cr, cfg, trigger="drift", watched=watched)
         verb = "deleted" if event_type == "DELETED" else "edited outside the operator"
         out.drifted.append(f"{kind} {obj_name}")
         out.events.append(
             ("Normal", EventReason.DRIFT_CORRECTED, f"{kind} {obj_name} was {verb}; re-applied")
         )
         return out
-    return refresh_status(kube, cr, owned)
+    return refresh_status(kube, cr, watched)
 
 
-def refresh_status(kube: Kube, cr: dict[str, Any], owned: dict[str, dict[str, Any]]) -> Outcome:
+def refresh_status(kube: Kube, cr: dict[str, Any], watched: Watched) -> Outcome:
     """Status from the watched StatefulSets/Deployment, without touching the objects."""
     meta = cr["metadata"]
     previous = cr.get("status") or {}
@@ -287,22 +355,21 @@ def refresh_status(kube: Kube, cr: dict[str, Any], owned: dict[str, dict[str, An
             log.debug("status refresh of %s skipped: not reconciled yet", meta["name"])
             return Outcome()  # not reconciled yet: the CR handler writes the first status
         cr, previous = fresh, fresh["status"]
-    observed = Observed(statefulsets={r: owned.get(r) for r in names.ROLES}, router=owned.get("router"))
 
-    def compute(prev: dict[str, Any]) -> dict[str, Any]:
+    def compute(prev: dict[str, Any], seen: Observed) -> dict[str, Any]:
         new = status.summarize(
-            observed,
+            seen,
             cr_name=meta["name"],
             namespace=meta["namespace"],
             generation=prev.get("observedGeneration", 0),
             revision=prev.get("revision", previous["revision"]),
-            desired=_desired(cr, observed.statefulsets),
+            desired=_desired(cr, seen.statefulsets),
             router_replicas=int(((cr.get("spec") or {}).get("router") or {}).get("replicas", 1)),
             previous=prev,
             now=now_iso(),
         )
         return _without_transfer(new)
 
-    new = write_status(kube, cr, compute)
+    new = write_observed_status(kube, cr, Observed(), watched, compute)
     log.debug("status refresh of %s: %s", meta["name"], status.condition(new, ConditionType.READY))
     return Outcome(status=new, events=flip_events(previous, new))

@@ -22,5 +22,6 @@ def test_two_replicas_elect_one_leader_and_still_reconcile(cluster, start_operat
     )
     cluster.apply(make_inference("lead", accelerator="none", image="vllm:1").obj())
     wait_until(lambda: kinds_of(cluster.owned("lead")) == EXPECTED_KINDS, "objects made by the leader")
-    assert "Handler 'reconcile' succeeded" in high.text()
+    # The objects exist before the handler returns (it writes status after them): wait for its log.
+    wait_until(lambda: "Handler 'reconcile' succeeded" in high.text(), "the leader's reconcile to finish")
     assert "Handler 'reconcile' succeeded" not in low.text()

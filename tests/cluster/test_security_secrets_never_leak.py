@@ -48,7 +48,10 @@ def test_missing_secret_is_named_and_no_value_leaks(cluster, start_operator, adm
     )
     assert degraded["status"] == "True" and degraded["message"] == want, degraded
     assert "hf-token" not in degraded["message"]  # that one exists
-    assert any(want in e["message"] for e in cluster.events("SecretMissing"))
+    # kopf posts the reconcile's events after the handler returns, so after the status it wrote.
+    wait_until(
+        lambda: any(want in e["message"] for e in cluster.events("SecretMissing")), "SecretMissing event"
+    )
 
     # Pods read the values through secretKeyRef; the operator wrote every object regardless.
     sts = cluster.get("statefulset", names.role_name("sec", "prefill"))
