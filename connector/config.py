@@ -33,10 +33,11 @@ class KvferryConfig:
     registration_ttl_s: float = 60.0  # producer: a registration waits this long for its prefill
     max_entries: int = 4096  # bound of every pending map
     descriptors: str = "auto"  # auto: prepped lists when block layouts match, else coalesced per request
-    # Transport poll interval right after activity. Not lower: the endpoint thread shares the GIL and,
-    # on a small host, the core with vLLM's model loop; sub-ms polling slowed decode steps under load
-    # (bench/results/README.md).
-    poll_min_s: float = 0.002
+    # Transport poll interval right after activity and while a WRITE is in flight; backs off to 8x
+    # while transfers are pending. Without a UCX progress thread a WRITE's rendezvous and its notice
+    # advance only when polled, so this bounds each hop (2 ms made a 256-token WRITE take 6 ms instead
+    # of 3; bench/results/README.md). It was 2 ms while vLLM's queue spin starved the endpoint thread.
+    poll_min_s: float = 0.0002
     poll_max_s: float = 0.01  # idle poll interval (bounds registration pickup latency when idle)
     handshake_timeout_s: float = 5.0  # per side-channel attempt
     handshake_attempts: int = 3  # with exponential backoff between attempts

@@ -3,12 +3,12 @@
 Callers (vLLM's worker main thread, the demo, tests) only enqueue commands and take results, both
 non-blocking. The thread: drains commands, reads notifications, checks write handles, ticks the
 cores, and carries out their actions. It waits on an event between rounds with a bounded backoff
-(`poll_min_s` right after activity, up to ~8x that while transfers are pending, `poll_max_s` when
-idle), so an idle endpoint costs a few hundred wakeups a second rather than a spinning core. While
-requests are pending, the vLLM glue also `kick()`s a round at every engine step: without a UCX
-progress thread a WRITE and its notification advance only when an agent is polled, so progress at
-vLLM's step cadence (sub-millisecond while decode waits for KV) replaces up to `poll_max_s` of
-latency per hop, and costs nothing once nothing is pending.
+(`poll_min_s` right after activity and while a WRITE is in flight, up to ~8x that while transfers
+are pending, `poll_max_s` when idle), so an idle endpoint costs a few hundred wakeups a second
+rather than a spinning core. While requests are pending, the vLLM glue also `kick()`s a round at
+every engine step: without a UCX progress thread a WRITE and its notification advance only when an
+agent is polled, so progress at vLLM's step cadence adds to the backoff's, and costs nothing once
+nothing is pending.
 """
 
 from __future__ import annotations
@@ -226,7 +226,9 @@ class Endpoint:
                 cap = (
                     min(self.cfg.poll_min_s * 8, self.cfg.poll_max_s) if self._busy() else self.cfg.poll_max_s
                 )
-                interval = self.cfg.poll_min_s if active else min(interval * 2, cap)
+                # A WRITE in flight is short and on the critical path: poll it at full rate.
+                fast = active or bool(self._writes)
+                interval = self.cfg.poll_min_s if fast else min(interval * 2, cap)
                 self._wake.wait(interval)
                 self._wake.clear()
         finally:

@@ -91,6 +91,14 @@ SPECS = (
         _SECONDS,
     ),
     Spec(
+        "handoffs",
+        Counter,
+        "kvferry_prefill_handoffs",
+        "Producer: prefill legs handed to the endpoint to push, by when "
+        "(after_forward: right after the forward that wrote their KV; finished: from request_finished)",
+        ("when",),
+    ),
+    Spec(
         "receive_wait",
         Histogram,
         "kvferry_receive_wait_seconds",

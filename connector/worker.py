@@ -153,7 +153,7 @@ class KvferryWorker:
             )
         self._failed_now += meta.invalid
         for f in meta.finished:
-            self._hand_over(f)
+            self._hand_over(f, "finished")
         for rid, attempt in meta.aborted:
             (ep.prefill_aborted if self.is_producer else ep.abort)(rid, attempt)
 
@@ -161,10 +161,11 @@ class KvferryWorker:
         """This step's forward pass has written the KV of its early prefills: push them now."""
         early, self._early = self._early, []
         for f in early:
-            self._hand_over(f)
+            self._hand_over(f, "after_forward")
 
-    def _hand_over(self, f: Finished) -> None:
+    def _hand_over(self, f: Finished, when: str) -> None:
         assert self.endpoint is not None
+        self.metrics.record("handoffs", 1, when)
         p = f.params
         self._req_of[(p.request_id, p.attempt)] = f.req_id
         self.endpoint.prefill_finished(

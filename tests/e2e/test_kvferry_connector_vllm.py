@@ -136,7 +136,7 @@ async def _pd_request(pd: dict, length: int) -> dict:
 
 
 def test_greedy_outputs_equal_single_instance_and_kv_came_over_nixl(pd, reference):
-    d_before = pd["decode"].metrics()
+    d_before, p_before = pd["decode"].metrics(), pd["prefill"].metrics()
     for length in LENGTHS:
         choice = asyncio.run(_pd_request(pd, length))
         assert choice["token_ids"] == reference[f"len{length}"]["token_ids"], f"prompt of {length} tokens"
@@ -154,6 +154,13 @@ def test_greedy_outputs_equal_single_instance_and_kv_came_over_nixl(pd, referenc
     )
     p_metrics = pd["prefill"].metrics()
     assert metric_sum(p_metrics, "kvferry_transfer_bytes_total") > 0  # producer side reported too
+    # P handed each leg over exactly once, and (CPU caches, one-step prefills) right after its forward.
+    handoffs = {
+        when: metric_sum(p_metrics, "kvferry_prefill_handoffs_total", when=when)
+        - metric_sum(p_before, "kvferry_prefill_handoffs_total", when=when)
+        for when in ("after_forward", "finished")
+    }
+    assert sum(handoffs.values()) == len(LENGTHS) and handoffs["after_forward"] >= 1, handoffs
 
 
 def test_malformed_kvferry_block_fails_that_request_only(pd, reference):
