@@ -34,24 +34,58 @@ from kvferry.local.tinymodel import ensure
 ALL_MODES = ("single", "single-1core", "vllm-pull", "vllm-push", "kvferry")
 SINGLE_CORES = {"single": "0-1", "single-1core": "0"}
 ROUTER_STATS: dict[str, dict[str, float]] = {}
+RESTARTS: dict[str, list[str]] = {}  # mode -> cells after which its stack was started again
 
 
 def measure(
     mode: str, sweep: loadbench.Sweep, model: Path, workdir: Path, stock: bool, kvferry_extra: dict
 ) -> list[loadbench.Cell]:
-    """Start the mode's servers, sweep, stop them (by PID) even on failure."""
+    """Start the mode's servers, sweep, stop them (by PID) even on failure.
+
+    A P/D stack is started again after a cell with failed requests: upstream push can wedge silently
+    and would then fail every later cell too, leaving nothing to compare (the failures stay counted).
+    """
     print(f"== {mode}: starting", flush=True)
     if mode in SINGLE_CORES:
         spec = ServerSpec(model=model, port=free_port(), cores=SINGLE_CORES[mode])
         server = VllmProcess(spec, workdir / f"{mode}.log")
         with server:
             return loadbench.run_sweep(replace(sweep, url=server.url))
-    stack = PdStack(mode, model, workdir / mode, no_progress_thread=not stock, kvferry_extra=kvferry_extra)
+    cells: list[loadbench.Cell] = []
+    stack: PdStack | None = None
     try:
-        stack.start()
-        cells = loadbench.run_sweep(replace(sweep, url=stack.url))
-        ROUTER_STATS[mode] = router_stats(stack.url)
+        for length in sweep.lengths:
+            for rate in sweep.rates:
+                fresh = stack is None
+                if stack is None:
+                    starts = len(RESTARTS.get(mode, [])) + 1
+                    stack = PdStack(
+                        mode,
+                        model,
+                        workdir / f"{mode}-{starts}",
+                        no_progress_thread=not stock,
+                        kvferry_extra=kvferry_extra,
+                    )
+                    stack.start()
+                cell_sweep = replace(sweep, url=stack.url, lengths=(length,), rates=(rate,))
+                cells += loadbench.run_sweep(cell_sweep, warmup=3 if fresh else 0)
+                if cells[-1].failed:
+                    failed = cells[-1].failed
+                    print(f"== {mode}: {failed} failed at {length}x{rate:g}: restarting", flush=True)
+                    RESTARTS.setdefault(mode, []).append(f"{length} tokens x {rate:g}/s")
+                    _stop(mode, stack)
+                    stack = None
         return cells
+    finally:
+        if stack is not None:
+            _stop(mode, stack)
+
+
+def _stop(mode: str, stack: PdStack) -> None:
+    """Stop a stack, adding what its router had to do to the mode's totals."""
+    try:
+        for k, v in router_stats(stack.url).items():
+            ROUTER_STATS.setdefault(mode, {})[k] = ROUTER_STATS.get(mode, {}).get(k, 0.0) + v
     finally:
         stack.stop()
 
@@ -151,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         if m not in SINGLE_CORES
     )
     summary += "\nRouter recoveries during the sweep (kvferry_router_* counters):\n\n" + stats + "\n"
+    if RESTARTS:
+        restarts = "\n".join(f"- {m}: after {', '.join(cells)}" for m, cells in RESTARTS.items())
+        summary += "\nStacks started again after a cell with failed requests:\n\n" + restarts + "\n"
     print("\n" + tables + "\n### P/D overhead and ratios (TTFT in ms)\n\n" + summary)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     upstream = "as shipped" if args.stock_upstream else "UCX progress thread off"
@@ -160,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "sweep": asdict(sweep),
         "router": ROUTER_STATS,
+        "restarts": RESTARTS,
         "modes": {m: [asdict(c) for c in cells] for m, cells in results.items()},
     }
     args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
