@@ -78,7 +78,7 @@ SPECS = (
         "reg_to_match",
         Histogram,
         "kvferry_registration_to_match_seconds",
-        "Producer: how long the earlier of registration and prefill-finished waited for the other",
+        "Producer: how long a finished prefill waited for its registration (0: the registration came first)",
         (),
         _SECONDS,
     ),

@@ -32,7 +32,7 @@ class StartWrite:
     reg: Registration
     block_ids: list[list[int]]
     num_tokens: int
-    registration_to_match_s: float  # how long the earlier of the two halves waited
+    registration_to_match_s: float  # how long the finished prefill waited (0: registration came first)
 
 
 @dataclass(frozen=True)
