@@ -57,7 +57,7 @@ def measure(
         for length in sweep.lengths:
             for rate in sweep.rates:
                 fresh = stack is None
-                if stack is None:
+                if fresh:
                     starts = len(RESTARTS.get(mode, [])) + 1
                     stack = PdStack(
                         mode,
@@ -84,8 +84,9 @@ def measure(
 def _stop(mode: str, stack: PdStack) -> None:
     """Stop a stack, adding what its router had to do to the mode's totals."""
     try:
+        totals = ROUTER_STATS.setdefault(mode, {})
         for k, v in router_stats(stack.url).items():
-            ROUTER_STATS.setdefault(mode, {})[k] = ROUTER_STATS.get(mode, {}).get(k, 0.0) + v
+            totals[k] = totals.get(k, 0.0) + v
     finally:
         stack.stop()
 
