@@ -43,6 +43,10 @@ class KvferryConfig:
     handshake_attempts: int = 3  # with exponential backoff between attempts
     progress_thread: bool = False  # UCX progress thread: busy-spins about one core when idle
     num_threads: int = 0  # backend worker threads (0 = backend default)
+    # Read-back verification (tests, diagnosis; costs a copy of each request's KV): each rank writes
+    # the KV of every request it hands over (producer) or receives (consumer), read element by element
+    # through its own layout, to DIR/<request>-<attempt>-<role>-h<first head>.npy.
+    kv_dump_dir: str = ""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> KvferryConfig:

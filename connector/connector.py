@@ -7,6 +7,7 @@ vLLM's /metrics as a journal inside `KvferryStats`, replayed by `KvferryPromMetr
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +35,21 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def share_vllm_log_handlers() -> None:
+    """vLLM configures handlers on its own `vllm` logger only: without this, the connector's INFO lines
+    (the measured KV layout at start-up) are dropped and only WARNING+ reach stderr."""
+    ours, theirs = logging.getLogger("kvferry"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
 class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        share_vllm_log_handlers()
         tc = vllm_config.kv_transfer_config
         self.cfg = KvferryConfig.from_extra(tc.kv_connector_extra_config)
         self._scheduler: KvferryScheduler | None = None
@@ -139,10 +152,11 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 def early_handoff(vllm_config: VllmConfig) -> bool:
-    """Push a prefill right after its forward pass (scheduler.py): only where the forward is synchronous
-    (CPU) and the request finishes in the same step's output (no async scheduling, no pipeline)."""
+    """Push a prefill right after its forward pass (scheduler.py): where the request finishes in the same
+    step's output (no async scheduling, no pipeline). On CUDA the worker gates each hand-off on an
+    event recorded after the forward (worker.after_forward)."""
     return (
-        vllm_config.device_config.device_type == "cpu"
+        vllm_config.device_config.device_type in ("cpu", "cuda")
         and not vllm_config.scheduler_config.async_scheduling
         and vllm_config.parallel_config.pipeline_parallel_size == 1
     )

@@ -25,7 +25,7 @@ from typing import Any
 
 from kvferry.connector import protocol as P
 from kvferry.connector.config import KvferryConfig
-from kvferry.connector.layout import KVLayout
+from kvferry.connector.layout import KVLayout, LayoutError, check_compatible
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.peers import Peers
 from kvferry.connector.preflight import backend_checks, efa_checks
@@ -126,6 +126,7 @@ class Endpoint:
         self._recv: dict[Key, tuple[str, int, list[list[int]], int]] = {}  # consumer: host, port, blocks, n
         self.transport: NixlTransport | None = None
         self.side: SideChannelServer | None = None
+        self._refused: set[str] = set()  # peer agents whose layout mismatch was logged
 
     # ---- lifecycle (caller thread) ----
     def start(self, timeout_s: float = 60.0) -> Endpoint:
@@ -235,6 +236,10 @@ class Endpoint:
             self._teardown()
 
     def _setup(self) -> None:
+        if self.layout.memory == "VRAM":  # NIXL/UCX need the KV's CUDA context current on this thread
+            import torch
+
+            torch.cuda.set_device(self.layout.device_id)
         self.transport = NixlTransport(self.agent_name, self.cfg)
         # The start-up preflight, from what this agent really created (kvferry_preflight_ok).
         checks = backend_checks(self.transport.backends, self.cfg.backends) + efa_checks(self.cfg.backends)
@@ -251,6 +256,7 @@ class Endpoint:
             self.tp_size,
             self.incarnation,
             layout_to_wire(self.layout),
+            self.layout.fingerprint,
         )
         port = self.cfg.side_channel_port + self.tp_rank if self.cfg.side_channel_port else 0  # 0: any port
         self.side = SideChannelServer(self.cfg.side_channel_host, port, encode(info))
@@ -409,6 +415,12 @@ class Endpoint:
                 self.producer.write_finished(key, reg.consumer_rank, False, "handshake_failed", now), now
             )
             return
+        refusal = self._refusal(agent, consumer_side=False, registered=reg.layout_fingerprint)
+        if refusal:
+            self._feed(
+                self.producer.write_finished(key, reg.consumer_rank, False, "layout_mismatch", now), now
+            )
+            return
         notif = encode(Done(reg.request_id, reg.attempt, self.engine_id, self.tp_rank, self.cfg.revision))
         try:
             handle, plan = self.transport.write(
@@ -421,6 +433,25 @@ class Endpoint:
         self.metrics.record("descriptors", plan.descriptors, plan.mode)
         self.metrics.record("prep_seconds", plan.prep_s, plan.mode)
         self._writes.append(_Write(key, reg.consumer_rank, handle, now, plan))
+
+    def _refusal(self, agent: str, *, consumer_side: bool, registered: str | None = None) -> str:
+        """Why KV cannot move between this rank and `agent` ("" when it can): the layouts cannot be
+        mapped element by element, or the consumer registered against another layout than the one
+        loaded for it. Logged once per peer agent; counted per request by the caller's Failure."""
+        peer = self.transport.peers[agent].layout
+        src, dst = (peer, self.layout) if consumer_side else (self.layout, peer)
+        why = ""
+        if registered is not None and registered != peer.fingerprint:
+            why = f"registration was made for layout #{registered}, the consumer serves #{peer.fingerprint}"
+        else:
+            try:
+                check_compatible(src, dst)
+            except LayoutError as exc:
+                why = str(exc)
+        if why and agent not in self._refused:
+            self._refused.add(agent)
+            log.error("kvferry: layout mismatch with %s, refusing every transfer: %s", agent, why)
+        return why
 
     def _to_producers(self, action: P.Register | P.SendCancel, now: float) -> None:
         info = self._recv.get(action.key)
@@ -444,14 +475,20 @@ class Endpoint:
                         num_tokens,
                         blocks,
                         self.cfg.revision,
+                        self.layout.fingerprint,
                     )
                 )
             else:
                 msg = encode(Cancel(action.key[0], action.key[1], self.engine_id, self.tp_rank))
 
             def sent(agent: str | None, err: str, rank: int = rank, msg: bytes = msg) -> None:
-                if not self._send(agent, msg, err) and isinstance(action, P.Register) and engine:
-                    fail = Failure(action.key[0], action.key[1], engine, rank, "handshake_failed")
+                register = isinstance(action, P.Register)
+                if register and agent is not None and self._refusal(agent, consumer_side=True):
+                    ok, why = False, "layout_mismatch"  # never register blocks P cannot fill exactly
+                else:
+                    ok, why = self._send(agent, msg, err), "handshake_failed"
+                if not ok and register and engine:
+                    fail = Failure(action.key[0], action.key[1], engine, rank, why)
                     self._feed(self.consumer.notice(fail, time.monotonic()), time.monotonic())
 
             self.peers.with_peer(host, port + rank, engine, None, sent)

@@ -2,38 +2,52 @@
 
 Used by `kvferry transfer-demo`, the NIXL process tests and the benchmark: the producer fills its
 blocks with values that depend only on (layer, plane, global head, token, dim); the consumer gathers
-its blocks through its own layout and compares with the same formula.
+its blocks through its own layout and compares with the same formula. `order` picks the cache: a
+synthetic layout (pure numpy: `head_major`, `token_major`, `k_transposed`), or one built and
+written by vLLM's own code (`cpu/<isa>`, `cuda/FLASH_ATTN/<KVCacheLayout>`: vllmkv.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-from kvferry.connector.layout import KVLayout
+from kvferry.connector.layout import KVLayout, element_addresses
 
 ALIGN = 4096
+SYNTHETIC = ("head_major", "token_major", "k_transposed")
 
 
 @dataclass(frozen=True)
 class CacheShape:
-    """A side's KV cache: same model on both sides (layers, heads, head_dim); its own block size,
-    TP size and in-block order."""
+    """A side's KV cache: same model on both sides (layers, heads, head_dim, dtype); its own block
+    size, TP size and in-block order."""
 
     layers: int = 2
     heads: int = 4
     head_dim: int = 16
     num_blocks: int = 64
     block_size: int = 16
-    order: str = "head_major"  # head_major (vLLM CPU) | token_major
+    order: str = "head_major"  # a SYNTHETIC name, or vllmkv.VLLM_ORDERS
     tp_size: int = 1
+    dtype: str = "float32"  # vLLM-built caches only; synthetic ones hold int32 words
+
+
+def host_kv(shape: CacheShape, tp_rank: int) -> Any:
+    """The cache for `shape` (HostKV or vllmkv.VllmKV: same fill / mismatches / layout surface)."""
+    if shape.order in SYNTHETIC:
+        return HostKV(shape, tp_rank)
+    from kvferry.connector.vllmkv import VllmKV
+
+    return VllmKV(shape, tp_rank)
 
 
 class HostKV:
-    """One TP rank's cache: a page-aligned int32 buffer holding every layer, and its KVLayout."""
+    """One TP rank's synthetic cache: a page-aligned int32 buffer holding every layer, and its KVLayout."""
 
     def __init__(self, shape: CacheShape, tp_rank: int) -> None:
-        factory = KVLayout.head_major if shape.order == "head_major" else KVLayout.token_major
+        factory = getattr(KVLayout, shape.order)
         kw = dict(
             num_blocks=shape.num_blocks,
             block_size=shape.block_size,
@@ -42,6 +56,7 @@ class HostKV:
             elem_bytes=4,
             tp_rank=tp_rank,
             tp_size=shape.tp_size,
+            dtype="int32",
         )
         region = factory(bases=[ALIGN], **kw).region_bytes
         self._raw = np.zeros(shape.layers * region + 2 * ALIGN, dtype=np.uint8)
@@ -52,19 +67,8 @@ class HostKV:
         self.words = self.buf.view(np.int32)
 
     def _word_index(self, blocks: list[int], num_tokens: int) -> np.ndarray:
-        """int32 index of every (layer, plane, local head, token, dim): shape L x P x H x T x D."""
-        lay = self.layout
-        tok = np.arange(num_tokens)
-        blk = np.asarray(blocks, dtype=np.int64)[tok // lay.block_size]
-        tok_off = blk * lay.block_stride + (tok % lay.block_size) * lay.token_stride
-        layer_off = np.array([r.base - self.base for r in lay.regions])
-        off = (
-            layer_off[:, None, None, None]
-            + np.arange(lay.num_planes)[None, :, None, None] * lay.plane_stride
-            + np.arange(lay.num_heads)[None, None, :, None] * lay.head_stride
-            + tok_off[None, None, None, :]
-        )
-        return off[..., None] // 4 + np.arange(lay.seg_bytes // 4)
+        """int32 index of every (layer, plane, local head, token, dim)."""
+        return (element_addresses(self.layout, [blocks], num_tokens) - self.base) // 4
 
     def expected(self, num_tokens: int) -> np.ndarray:
         """The values every side agrees on, for this rank's heads."""
@@ -74,7 +78,7 @@ class HostKV:
             : lay.num_planes,
             lay.head_offset : lay.head_offset + lay.num_heads,
             :num_tokens,
-            : lay.seg_bytes // 4,
+            : lay.head_dim,
         ]
         v = layer * 1_000_003 + plane * 7_919 + head * 104_729 + tok * 613 + dim * 1_299_709 + 1
         return (v % (2**31 - 1)).astype(np.int32)

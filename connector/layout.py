@@ -1,23 +1,30 @@
-"""Layout step: block ids -> byte ranges on each side, producer-to-consumer mapping, coalescing.
+"""Layout step: where every KV element sits on each side, producer-to-consumer mapping, coalescing.
 
 Pure arithmetic (numpy only, no NIXL, vLLM or torch). Each side describes its own KV cache as a
-`KVLayout`; the producer maps its blocks onto the consumer's blocks token by token and head by head,
-so the two sides may use different block sizes (16 vs 32, 128 vs 64 tokens), different TP sizes (heads
-split or merged) and different in-block orders (head-major or token-major).
+`KVLayout`, read from vLLM (connector/kvcache.py), never assumed; the producer maps its blocks onto
+the consumer's element by element, so the two sides may use different block sizes, TP sizes (heads
+split or merged) and in-block packings (vLLM-CPU's ISA-specific K packing, CUDA backends' token- or
+head-major pages).
 
-Address of one token of one head in one plane (K or V) of one layer:
+Byte address of element (token t, dim d) of plane p (K or V), local head h, in block b of layer l:
 
-    region.base + block_id * block_stride + plane * plane_stride + head * head_stride + slot * token_stride
+    regions[l].base + b * block_stride + h * head_stride
+        + planes[p].offset + planes[p].token_offsets[t] + planes[p].dim_offsets[d]
 
-with `seg_bytes` contiguous bytes there (head_dim * element size). vLLM's CPU cache
-([blocks, heads, 2 * block_size, head_dim], K slots then V slots per head) is `KVLayout.head_major`.
+A layout whose addresses are not of that separable form cannot be described, and so is refused
+(kvcache.py raises before any transfer). Two layouts that disagree in anything a byte copy cannot
+bridge (dtype, head_dim, planes, layer count, KV groups, heads) are refused by `check_compatible`
+with both layouts named.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -36,108 +43,277 @@ class Region:
 
 
 @dataclass(frozen=True)
-class KVLayout:
-    """One rank's KV cache, described as strides so each side maps to its own physical layout."""
+class PlaneMap:
+    """One plane (K or V) of one head inside a block: byte offset of (token t, dim d) is
+    `offset + token_offsets[t] + dim_offsets[d]`."""
 
-    block_size: int  # tokens per block
+    offset: int
+    token_offsets: tuple[int, ...]
+    dim_offsets: tuple[int, ...]
+
+    def describe(self) -> str:
+        """Short form: affine steps where the table is affine, else 'tiled'."""
+        return f"@{self.offset} t{_steps(self.token_offsets)} d{_steps(self.dim_offsets)}"
+
+
+def _steps(table: Sequence[int]) -> str:
+    if len(table) < 2:
+        return "[1]"
+    step = table[1] - table[0]
+    affine = all(b - a == step for a, b in zip(table, table[1:], strict=False))
+    return f"*{step}" if affine else "[tiled]"
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One rank's KV cache, element by element, as vLLM laid it out."""
+
+    kind: str  # who declared it, e.g. "CPU_ATTN/vec LBHNC" or "FLASH_ATTN LBNHC"
+    dtype: str  # element type as vLLM stores it ("float32", "bfloat16", "float8_e4m3fn", ...)
+    block_size: int  # tokens per (kernel) block
     num_heads: int  # KV heads held by this rank
-    head_offset: int  # global index of the first held head (TP rank * heads per rank)
+    head_offset: int  # global index of the first held head
     total_heads: int  # KV heads of the model
-    num_planes: int  # 2 (K, V); 1 for a latent cache
-    seg_bytes: int  # bytes of one token of one head in one plane
-    token_stride: int
-    head_stride: int
-    plane_stride: int
-    block_stride: int
+    head_dim: int
+    elem_bytes: int
+    head_stride: int  # bytes between heads inside a block
+    block_stride: int  # bytes between consecutive blocks of one region
+    planes: tuple[PlaneMap, ...]  # 2 (K, V); 1 for a latent cache
     regions: tuple[Region, ...]
+    memory: str = "DRAM"  # NIXL memory type: DRAM (host) or VRAM (GPU)
+    device_id: int = 0  # GPU index for VRAM
+    _cache: dict = field(default_factory=dict, init=False, compare=False, repr=False, hash=False)
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_heads", "total_heads", "num_planes", "seg_bytes"):
+        for name in ("block_size", "num_heads", "total_heads", "head_dim", "elem_bytes", "block_stride"):
             if getattr(self, name) <= 0:
                 raise LayoutError(f"layout.{name} must be positive, got {getattr(self, name)}")
-        for name in ("token_stride", "head_stride", "plane_stride", "block_stride"):
-            if getattr(self, name) < self.seg_bytes:
-                raise LayoutError(f"layout.{name}={getattr(self, name)} is smaller than seg_bytes")
+        if self.head_stride < 0:
+            raise LayoutError(f"layout.head_stride must be >= 0, got {self.head_stride}")
         if not self.head_offset >= 0 or self.head_offset + self.num_heads > self.total_heads:
             raise LayoutError(
                 f"layout heads [{self.head_offset}, {self.head_offset + self.num_heads}) "
                 f"outside the model's {self.total_heads} KV heads"
             )
+        if not self.planes:
+            raise LayoutError("layout.planes is empty")
+        for i, p in enumerate(self.planes):
+            if len(p.token_offsets) != self.block_size or len(p.dim_offsets) != self.head_dim:
+                raise LayoutError(
+                    f"layout.planes[{i}] has {len(p.token_offsets)} token and {len(p.dim_offsets)} dim "
+                    f"offsets for block_size {self.block_size}, head_dim {self.head_dim}"
+                )
+            if min(p.token_offsets) < 0 or min(p.dim_offsets) < 0 or p.offset < 0:
+                raise LayoutError(f"layout.planes[{i}] has a negative offset")
         if not self.regions:
             raise LayoutError("layout.regions is empty")
         for i, r in enumerate(self.regions):
             if r.num_blocks <= 0 or r.base <= 0 or r.group < 0:
                 raise LayoutError(f"layout.regions[{i}] is invalid: {r}")
+        if len({r.num_blocks for r in self.regions}) != 1:
+            raise LayoutError("layout.regions differ in num_blocks")
+        if self.memory not in ("DRAM", "VRAM"):
+            raise LayoutError(f"layout.memory must be DRAM or VRAM, got {self.memory!r}")
+        offsets = self.block_offsets()
+        flat = np.sort(offsets.ravel())
+        if flat.size > 1 and (np.diff(flat) < self.elem_bytes).any():
+            raise LayoutError(f"layout {self.kind}: two elements of a block overlap")
+        # pages may interleave with other layers' (cross-layer layouts), never with each other
+        if self.page_bytes > self.block_stride and not _blocks_disjoint(
+            flat, self.elem_bytes, self.block_stride
+        ):
+            raise LayoutError(f"layout {self.kind}: blocks overlap (block_stride {self.block_stride})")
 
-    @classmethod
-    def head_major(
-        cls,
-        *,
-        bases: Sequence[int],
-        num_blocks: int,
-        block_size: int,
-        num_heads: int,
-        head_dim: int,
-        elem_bytes: int,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        groups: Sequence[int] | None = None,
-    ) -> KVLayout:
-        """vLLM CPU layout: per block, per head, K tokens then V tokens ([blocks, heads, 2*bs, dim])."""
-        local = split_heads(num_heads, tp_rank, tp_size)
-        seg = head_dim * elem_bytes
-        return cls(
-            block_size=block_size,
-            num_heads=len(local),
-            head_offset=local.start,
-            total_heads=num_heads,
-            num_planes=2,
-            seg_bytes=seg,
-            token_stride=seg,
-            plane_stride=block_size * seg,
-            head_stride=2 * block_size * seg,
-            block_stride=len(local) * 2 * block_size * seg,
-            regions=_regions(bases, num_blocks, groups),
-        )
-
-    @classmethod
-    def token_major(
-        cls,
-        *,
-        bases: Sequence[int],
-        num_blocks: int,
-        block_size: int,
-        num_heads: int,
-        head_dim: int,
-        elem_bytes: int,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        groups: Sequence[int] | None = None,
-    ) -> KVLayout:
-        """Token-major (NHD) blocks: [blocks, 2, block_size, heads, dim]."""
-        local = split_heads(num_heads, tp_rank, tp_size)
-        seg = head_dim * elem_bytes
-        return cls(
-            block_size=block_size,
-            num_heads=len(local),
-            head_offset=local.start,
-            total_heads=num_heads,
-            num_planes=2,
-            seg_bytes=seg,
-            head_stride=seg,
-            token_stride=len(local) * seg,
-            plane_stride=block_size * len(local) * seg,
-            block_stride=2 * block_size * len(local) * seg,
-            regions=_regions(bases, num_blocks, groups),
-        )
-
+    # ---- derived facts ----
     @property
-    def region_bytes(self) -> int:
-        """Bytes one region spans (what to register with NIXL)."""
-        return self.regions[0].num_blocks * self.block_stride
+    def num_planes(self) -> int:
+        return len(self.planes)
 
     def heads(self) -> range:
         return range(self.head_offset, self.head_offset + self.num_heads)
+
+    def block_offsets(self) -> np.ndarray:
+        """Byte offset of every element of one block, shape planes x heads x tokens x dims."""
+        if "offsets" not in self._cache:
+            tok = np.array([p.token_offsets for p in self.planes], dtype=np.int64)
+            dim = np.array([p.dim_offsets for p in self.planes], dtype=np.int64)
+            off = np.array([p.offset for p in self.planes], dtype=np.int64)
+            heads = np.arange(self.num_heads, dtype=np.int64) * self.head_stride
+            self._cache["offsets"] = (
+                off[:, None, None, None]
+                + heads[None, :, None, None]
+                + tok[:, None, :, None]
+                + dim[:, None, None, :]
+            )
+        return self._cache["offsets"]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes from a block's start to the end of its last element."""
+        return int(self.block_offsets().max()) + self.elem_bytes
+
+    @property
+    def dense_page(self) -> bool:
+        """A block is one run of bytes [start, start + page_bytes) holding only this block's KV."""
+        n = self.block_offsets().size * self.elem_bytes
+        return n == self.page_bytes and self.page_bytes <= self.block_stride
+
+    @property
+    def region_bytes(self) -> int:
+        """Bytes one region spans from its base (what to register with NIXL)."""
+        return (self.regions[0].num_blocks - 1) * self.block_stride + self.page_bytes
+
+    def spans(self) -> list[tuple[int, int]]:
+        """Registration spans: every region's bytes, overlapping ones (cross-layer layouts) merged."""
+        out: list[list[int]] = []
+        for start in sorted(r.base for r in self.regions):
+            end = start + self.region_bytes
+            if out and start <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], end)
+            else:
+                out.append([start, end])
+        return [(a, b - a) for a, b in out]
+
+    def signature(self) -> dict:
+        """Everything that decides where bytes go, without addresses (equal on equal engines)."""
+        return {
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "heads": [self.head_offset, self.num_heads, self.total_heads],
+            "head_dim": self.head_dim,
+            "elem_bytes": self.elem_bytes,
+            "head_stride": self.head_stride,
+            "block_stride": self.block_stride,
+            "planes": [[p.offset, list(p.token_offsets), list(p.dim_offsets)] for p in self.planes],
+            "layers": len(self.regions),
+            "groups": [r.group for r in self.regions],
+            "memory": self.memory,
+        }
+
+    @cached_property
+    def fingerprint(self) -> str:
+        blob = json.dumps(self.signature(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def describe(self) -> str:
+        """One line naming the layout for logs and refusals."""
+        planes = " ".join(
+            f"{'KV'[i] if self.num_planes == 2 else 'L'}{p.describe()}" for i, p in enumerate(self.planes)
+        )
+        return (
+            f"{self.kind} {self.dtype} block {self.block_size} heads {self.head_offset}+{self.num_heads}"
+            f"/{self.total_heads} dim {self.head_dim} layers {len(self.regions)} {self.memory} "
+            f"[{planes}, head *{self.head_stride}, block *{self.block_stride}] #{self.fingerprint}"
+        )
+
+    # ---- constructors ----
+    @classmethod
+    def from_offsets(
+        cls, offsets: np.ndarray, *, block_stride: int, bases: Sequence[int], num_blocks: int, **kw
+    ) -> KVLayout:
+        """Fit a layout to measured byte offsets (planes x local heads x tokens x dims) of one block.
+
+        Raises LayoutError when they are not `plane + head * stride + token[t] + dim[d]`."""
+        off = np.asarray(offsets, dtype=np.int64)
+        if off.ndim != 4:
+            raise LayoutError(f"offsets must be planes x heads x tokens x dims, got shape {off.shape}")
+        n_planes, n_heads, bs, hd = off.shape
+        head_stride = int(off[0, 1, 0, 0] - off[0, 0, 0, 0]) if n_heads > 1 else 0
+        planes = []
+        for p in range(n_planes):
+            base = int(off[p, 0, 0, 0])
+            tok = off[p, 0, :, 0] - base
+            dim = off[p, 0, 0, :] - base
+            if tok.min() < 0 or dim.min() < 0:
+                raise LayoutError(f"plane {p}: token 0 / dim 0 is not the plane's first element")
+            planes.append(PlaneMap(base, tuple(int(x) for x in tok), tuple(int(x) for x in dim)))
+        layout = cls(
+            block_size=bs,
+            num_heads=n_heads,
+            head_dim=hd,
+            head_stride=head_stride,
+            block_stride=block_stride,
+            planes=tuple(planes),
+            regions=_regions(bases, num_blocks, kw.pop("groups", None)),
+            **kw,
+        )
+        if not np.array_equal(layout.block_offsets(), off):
+            bad = np.argwhere(layout.block_offsets() != off)[0].tolist()
+            raise LayoutError(
+                f"{kw.get('kind', 'layout')}: element (plane, head, token, dim)={tuple(bad)} is not at "
+                "plane + head + token + dim offsets; kvferry cannot describe this packing"
+            )
+        return layout
+
+    @classmethod
+    def head_major(cls, **kw) -> KVLayout:
+        """Synthetic test layout: per block, per head, K tokens then V tokens, each token's dims
+        contiguous ([blocks, heads, 2*bs, dim])."""
+        return cls._synthetic("head_major", **kw)
+
+    @classmethod
+    def token_major(cls, **kw) -> KVLayout:
+        """Synthetic test layout (NHD pages): [blocks, 2, block_size, heads, dim]."""
+        return cls._synthetic("token_major", **kw)
+
+    @classmethod
+    def k_transposed(cls, **kw) -> KVLayout:
+        """vLLM-CPU `vec` packing: per block, per head, K stored dim-major ([dim, bs]), V token-major."""
+        return cls._synthetic("k_transposed", **kw)
+
+    @classmethod
+    def _synthetic(
+        cls,
+        order: str,
+        *,
+        bases: Sequence[int],
+        num_blocks: int,
+        block_size: int,
+        num_heads: int,
+        head_dim: int,
+        elem_bytes: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        groups: Sequence[int] | None = None,
+        dtype: str = "",
+    ) -> KVLayout:
+        local = split_heads(num_heads, tp_rank, tp_size)
+        e, bs, hd, h = elem_bytes, block_size, head_dim, len(local)
+        tok, dim = [t * hd * e for t in range(bs)], [d * e for d in range(hd)]
+        if order == "head_major":
+            planes = (PlaneMap(0, tuple(tok), tuple(dim)), PlaneMap(bs * hd * e, tuple(tok), tuple(dim)))
+            head_stride, block_stride = 2 * bs * hd * e, h * 2 * bs * hd * e
+        elif order == "k_transposed":
+            k = PlaneMap(0, tuple(t * e for t in range(bs)), tuple(d * bs * e for d in range(hd)))
+            planes = (k, PlaneMap(bs * hd * e, tuple(tok), tuple(dim)))
+            head_stride, block_stride = 2 * bs * hd * e, h * 2 * bs * hd * e
+        elif order == "token_major":
+            tok = [t * h * hd * e for t in range(bs)]
+            planes = (PlaneMap(0, tuple(tok), tuple(dim)), PlaneMap(bs * h * hd * e, tuple(tok), tuple(dim)))
+            head_stride, block_stride = hd * e, 2 * bs * h * hd * e
+        else:
+            raise LayoutError(f"unknown synthetic order {order!r}")
+        return cls(
+            kind=f"synthetic/{order}",
+            dtype=dtype or f"{8 * e}-bit",
+            block_size=bs,
+            num_heads=h,
+            head_offset=local.start,
+            total_heads=num_heads,
+            head_dim=hd,
+            elem_bytes=e,
+            head_stride=head_stride,
+            block_stride=block_stride,
+            planes=planes,
+            regions=_regions(bases, num_blocks, groups),
+        )
+
+
+def _blocks_disjoint(sorted_offsets: np.ndarray, elem: int, stride: int) -> bool:
+    """True when a page placed every `stride` bytes never overlaps the next one."""
+    shifted = np.sort(np.concatenate([sorted_offsets, sorted_offsets + stride]))
+    return bool((np.diff(shifted) >= elem).all())
 
 
 def _regions(bases: Sequence[int], num_blocks: int, groups: Sequence[int] | None) -> tuple[Region, ...]:
@@ -169,7 +345,7 @@ def overlapping_ranks(total_heads: int, my_rank: int, my_tp: int, peer_tp: int) 
 
 @dataclass(frozen=True)
 class Segments:
-    """Byte ranges to write: src_addr[i] .. +length[i] -> dst_addr[i] (numpy uint64/int64 arrays)."""
+    """Byte ranges to write: src_addr[i] .. +length[i] -> dst_addr[i] (numpy int64 arrays)."""
 
     src_addr: np.ndarray
     dst_addr: np.ndarray
@@ -186,21 +362,33 @@ class Segments:
 
 
 def check_compatible(src: KVLayout, dst: KVLayout) -> None:
-    """Raise LayoutError naming the first property that makes two layouts unmappable."""
-    for name in ("total_heads", "num_planes", "seg_bytes"):
-        if getattr(src, name) != getattr(dst, name):
-            raise LayoutError(
-                f"layouts differ in {name}: producer {getattr(src, name)}, consumer {getattr(dst, name)}"
-            )
+    """Raise LayoutError naming what makes two layouts unmappable, and both layouts."""
+    why = _incompatibility(src, dst)
+    if why:
+        raise LayoutError(f"{why}; producer: {src.describe()}; consumer: {dst.describe()}")
+
+
+def _incompatibility(src: KVLayout, dst: KVLayout) -> str:
+    for name in ("dtype", "elem_bytes", "total_heads", "head_dim", "num_planes"):
+        a, b = getattr(src, name), getattr(dst, name)
+        if a != b:
+            return f"layouts differ in {name}: producer {a}, consumer {b}"
     if len(src.regions) != len(dst.regions):
-        raise LayoutError(
-            f"layouts differ in layer count: producer {len(src.regions)}, consumer {len(dst.regions)}"
-        )
+        return f"layouts differ in layer count: producer {len(src.regions)}, consumer {len(dst.regions)}"
     for i, (a, b) in enumerate(zip(src.regions, dst.regions, strict=True)):
         if a.group != b.group:
-            raise LayoutError(
-                f"layer {i} is in KV group {a.group} on the producer, {b.group} on the consumer"
-            )
+            return f"layer {i} is in KV group {a.group} on the producer, {b.group} on the consumer"
+    if max(src.head_offset, dst.head_offset) >= min(src.heads().stop, dst.heads().stop):
+        return f"producer heads {src.heads()} and consumer heads {dst.heads()} do not overlap"
+    return ""
+
+
+def block_aligned(a: KVLayout, b: KVLayout) -> bool:
+    """Block i of one side is byte for byte block j of the other: whole pages can be copied.
+    (The declaring kind may differ: vLLM-CPU's vec and vec16 ISAs pack a block the same way.)"""
+    sa, sb = a.signature(), b.signature()
+    sa.pop("kind"), sb.pop("kind")
+    return sa == sb and a.dense_page
 
 
 def block_table(
@@ -225,71 +413,115 @@ def block_table(
     return table
 
 
+def element_addresses(layout: KVLayout, block_ids: Sequence[Sequence[int]], num_tokens: int) -> np.ndarray:
+    """Absolute byte address of every element of a request: layers x planes x heads x tokens x dims.
+
+    What the read-back checks use: two sides hold the same KV when the bytes at these addresses
+    (through each side's own layout) are equal for the heads they share."""
+    tab = block_table(layout, block_ids, num_tokens, "this side")
+    tok = np.arange(num_tokens, dtype=np.int64)
+    off = layout.block_offsets()  # P x H x bs x D
+    in_block = off[:, :, tok % layout.block_size, :]  # P x H x T x D
+    out = np.empty((len(layout.regions), *in_block.shape), dtype=np.int64)
+    for i, r in enumerate(layout.regions):
+        blocks = tab[r.group][tok // layout.block_size] * layout.block_stride
+        out[i] = r.base + blocks[None, None, :, None] + in_block
+    return out
+
+
 def plan(
     src: KVLayout,
     src_blocks: Sequence[Sequence[int]],
     dst: KVLayout,
     dst_blocks: Sequence[Sequence[int]],
     num_tokens: int,
+    *,
+    merge: bool = True,
 ) -> Segments:
-    """Every (layer, plane, shared head, token run) the producer must write, uncoalesced.
+    """Every byte range the producer must write so the consumer holds its KV for the shared heads.
 
-    A token run never crosses a block boundary of either side, so each unit is contiguous on both
-    sides when tokens are contiguous within a head; otherwise units are single tokens.
-    """
+    Tokens are cut into runs that stay inside one block on both sides; a run's in-block pattern
+    depends only on where it starts in each side's block, so each pattern is computed once (element
+    by element, coalesced) and stamped onto every run and layer by adding block and region bases.
+    `merge=False` keeps each pattern's pieces apart (one descriptor per contiguous piece of a run)."""
     check_compatible(src, dst)
     if num_tokens <= 0:
         raise LayoutError(f"num_tokens must be positive, got {num_tokens}")
     s_tab = block_table(src, src_blocks, num_tokens, "producer")
     d_tab = block_table(dst, dst_blocks, num_tokens, "consumer")
+    bounds = np.union1d(
+        np.union1d(np.arange(0, num_tokens, src.block_size), np.arange(0, num_tokens, dst.block_size)),
+        [num_tokens],
+    ).astype(np.int64)
+    starts, lens = bounds[:-1], np.diff(bounds)
+    keys = np.stack([starts % src.block_size, starts % dst.block_size, lens], axis=1)
+    parts: list[tuple[np.ndarray, ...]] = []
+    for key in np.unique(keys, axis=0):
+        runs = np.flatnonzero((keys == key).all(axis=1))
+        t_src, t_dst, t_len = _pattern(src, dst, *(int(k) for k in key), merge=merge)
+        s_blk = starts[runs] // src.block_size
+        d_blk = starts[runs] // dst.block_size
+        for i, (rs, rd) in enumerate(zip(src.regions, dst.regions, strict=True)):
+            s_base = rs.base + s_tab[rs.group][s_blk] * src.block_stride
+            d_base = rd.base + d_tab[rd.group][d_blk] * dst.block_stride
+            n = runs.size * t_len.size
+            parts.append(
+                (
+                    (s_base[:, None] + t_src[None, :]).ravel(),
+                    (d_base[:, None] + t_dst[None, :]).ravel(),
+                    np.broadcast_to(t_len, (runs.size, t_len.size)).ravel(),
+                    np.full(n, i, dtype=np.int64),
+                )
+            )
+    src_a, dst_a, ln, reg = (np.concatenate(c) for c in zip(*parts, strict=True))
+    return Segments(src_a, dst_a, ln, reg, reg.copy())
+
+
+def _pattern(
+    src: KVLayout, dst: KVLayout, s0: int, d0: int, n: int, *, merge: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """In-block (src offset, dst offset, length) pieces for a run of n tokens starting at token s0
+    of a producer block and d0 of a consumer block, all planes and shared heads."""
+    cache_key = (dst.fingerprint, s0, d0, n, merge)
+    hit = src._cache.get(cache_key)
+    if hit is not None:
+        return hit
     lo, hi = max(src.head_offset, dst.head_offset), min(src.heads().stop, dst.heads().stop)
-    if lo >= hi:
-        raise LayoutError(f"producer heads {src.heads()} and consumer heads {dst.heads()} do not overlap")
-    starts, lens = _token_runs(src, dst, num_tokens)
-    heads = np.arange(lo, hi, dtype=np.int64)
-    planes = np.arange(src.num_planes, dtype=np.int64)
-    n_units = len(src.regions) * planes.size * starts.size * heads.size
-    out = {k: np.empty(n_units, dtype=np.int64) for k in ("src", "dst", "len", "sr", "dr")}
-    per_region = planes.size * starts.size * heads.size
-    for i, (rs, rd) in enumerate(zip(src.regions, dst.regions, strict=True)):
-        sl = slice(i * per_region, (i + 1) * per_region)
-        out["src"][sl] = _addresses(src, rs, s_tab[rs.group], starts, planes, heads - src.head_offset)
-        out["dst"][sl] = _addresses(dst, rd, d_tab[rd.group], starts, planes, heads - dst.head_offset)
-        shape = (planes.size, starts.size, heads.size)
-        out["len"][sl] = np.broadcast_to(lens[None, :, None] * src.seg_bytes, shape).ravel()
-        out["sr"][sl] = i
-        out["dr"][sl] = i
-    return Segments(out["src"], out["dst"], out["len"], out["sr"], out["dr"])
-
-
-def _token_runs(src: KVLayout, dst: KVLayout, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token runs that stay inside one block on both sides (single tokens if a side is token-major)."""
-    if src.token_stride != src.seg_bytes or dst.token_stride != dst.seg_bytes:
-        return np.arange(num_tokens, dtype=np.int64), np.ones(num_tokens, dtype=np.int64)
-    step = math.gcd(src.block_size, dst.block_size)
-    bounds = np.union1d(np.arange(0, num_tokens, step, dtype=np.int64), [num_tokens])
-    return bounds[:-1], np.diff(bounds)
-
-
-def _addresses(
-    layout: KVLayout,
-    region: Region,
-    blocks: np.ndarray,
-    starts: np.ndarray,
-    planes: np.ndarray,
-    heads: np.ndarray,
-) -> np.ndarray:
-    """Start address of each (plane, run, head) unit in one region, flattened in that order."""
-    run_off = blocks[starts // layout.block_size] * layout.block_stride + (starts % layout.block_size) * (
-        layout.token_stride
+    chunk = math.gcd(_dim_chunk(src), _dim_chunk(dst))
+    dims = np.arange(0, src.head_dim, chunk)
+    s_off = src.block_offsets()[:, lo - src.head_offset : hi - src.head_offset, s0 : s0 + n][..., dims]
+    d_off = dst.block_offsets()[:, lo - dst.head_offset : hi - dst.head_offset, d0 : d0 + n][..., dims]
+    length = np.full(s_off.size, chunk * src.elem_bytes, dtype=np.int64)
+    piece = (
+        _merge_runs(s_off.ravel(), d_off.ravel(), length) if merge else (s_off.ravel(), d_off.ravel(), length)
     )
-    addr = (
-        region.base
-        + planes[:, None, None] * layout.plane_stride
-        + run_off[None, :, None]
-        + heads[None, None, :] * layout.head_stride
-    )
-    return addr.ravel()
+    if len(src._cache) > 4096:  # bounded: patterns are few per peer (block-size ratio x run lengths)
+        src._cache.clear()
+    src._cache[cache_key] = piece
+    return piece
+
+
+def _dim_chunk(layout: KVLayout) -> int:
+    """Largest run of consecutive dims that is contiguous in memory in every plane (divides head_dim)."""
+    chunk = layout.head_dim
+    for p in layout.planes:
+        steps = np.diff(np.asarray(p.dim_offsets, dtype=np.int64)) == layout.elem_bytes
+        breaks = np.flatnonzero(~steps) + 1
+        edges = np.concatenate(([0], breaks, [layout.head_dim]))
+        for length in np.diff(edges):
+            chunk = math.gcd(chunk, int(length))
+        for b in breaks:
+            chunk = math.gcd(chunk, int(b))
+    return max(chunk, 1)
+
+
+def _merge_runs(src: np.ndarray, dst: np.ndarray, ln: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Merge pieces contiguous on both sides (sorted by source address first)."""
+    order = np.argsort(src, kind="stable")
+    src, dst, ln = src[order], dst[order], ln[order]
+    joins = (src[:-1] + ln[:-1] == src[1:]) & (dst[:-1] + ln[:-1] == dst[1:])
+    heads = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return src[heads], dst[heads], np.add.reduceat(ln, heads)
 
 
 def coalesce(seg: Segments) -> Segments:

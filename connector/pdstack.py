@@ -93,6 +93,7 @@ class PdStack:
     no_progress_thread: bool = True
     deadlines: dict[str, float] = field(default_factory=dict)
     kv_cache_gib: float = 1.0
+    dtype: str = "float32"  # both servers' --dtype: the model's (tinymodel.Shape.dtype)
     kvferry_extra: dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config overrides
     prefill: VllmProcess | None = None
     decode: VllmProcess | None = None
@@ -103,6 +104,7 @@ class PdStack:
         spec = ServerSpec(
             model=self.model, port=free_port(), role=role, connector=connector, engine_id=f"{role}-0",
             side_port=free_port(), block_size=block_size, cores=cores, kv_cache_gib=self.kv_cache_gib,
+            dtype=self.dtype,
             # Upstream baselines only; the kvferry connector owns its NIXL agent config.
             no_progress_thread=self.no_progress_thread and connector != "KvferryConnector",
             # kvferry defaults to LIBFABRIC (EFA); loopback on a CPU host is UCX.

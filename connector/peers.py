@@ -80,7 +80,9 @@ class Peers:
             agent, err = None, ""
             try:
                 info = future.result()
-                agent = transport.load_peer(info.agent_metadata, layout_from_wire(info.layout))
+                agent = transport.load_peer(
+                    info.agent_metadata, layout_from_wire(info.layout, info.layout_fingerprint)
+                )
                 old = self._known.get(addr)
                 if old is not None and old[1] != agent:  # the peer restarted: drop its stale agent
                     transport.forget_peer(old[1])

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.connector.config import KvferryConfig
-from kvferry.connector.hostkv import CacheShape, HostKV
+from kvferry.connector.hostkv import CacheShape, host_kv
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class RankProcess:
 def _child_main(conn: Any, spec: RankSpec) -> None:
     from kvferry.connector.endpoint import Endpoint
 
-    kv = HostKV(spec.shape, spec.tp_rank)
+    kv = host_kv(spec.shape, spec.tp_rank)
     cfg = KvferryConfig.from_extra({"backends": ["UCX"], "side_channel_port": 0, **spec.extra})
     try:
         ep = Endpoint(
@@ -117,7 +117,7 @@ def _child_main(conn: Any, spec: RankSpec) -> None:
         ep.close()
 
 
-def _handle(ep: Any, kv: HostKV, op: str, args: tuple) -> Any:
+def _handle(ep: Any, kv: Any, op: str, args: tuple) -> Any:
     if op == "finish":  # producer: prefill computed -> fill the blocks, hand them over
         request_id, attempt, blocks, num_tokens, consumer, *fill = args
         if not fill or fill[0]:

@@ -44,6 +44,8 @@ PORT_TAKEN = "Address already in use"
 LOG_SCAN_CHARS = 20000  # a start-up traceback and vLLM's shutdown noise after it
 UPSTREAM_CONNECTORS = ("NixlConnector", "NixlPushConnector")
 KVFERRY_CONNECTOR = "KvferryConnector"
+# --dtype values; "auto" serves a float32 checkpoint as bfloat16 on CPU (vLLM downcasts float32).
+DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
 @dataclass
@@ -58,6 +60,7 @@ class ServerSpec:
     side_port: int | None = None
     block_size: int | None = None
     cores: str = "0"
+    dtype: str = "float32"  # --dtype; the model's own dtype (tinymodel.Shape.dtype), see DTYPES
     kv_cache_gib: float = 1.0
     max_model_len: int = 2048
     served_name: str = "tiny"
@@ -69,6 +72,8 @@ class ServerSpec:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role {self.role!r} is not one of {ROLES}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {DTYPES}")
         if (self.role == "single") != (self.connector is None):
             raise ValueError("a connector is needed exactly when role is prefill or decode")
         if self.connector is not None:
@@ -104,7 +109,7 @@ def kv_transfer_config(spec: ServerSpec) -> dict[str, Any] | None:
 
 def command(spec: ServerSpec, python: str = sys.executable) -> list[str]:
     cmd = [python, "-m", SERVER_MODULE, "--model", str(spec.model), "--served-model-name", spec.served_name]
-    cmd += ["--host", spec.host, "--port", str(spec.port), "--dtype", "float32"]
+    cmd += ["--host", spec.host, "--port", str(spec.port), "--dtype", spec.dtype]
     cmd += ["--max-model-len", str(spec.max_model_len), "--enforce-eager", "--no-enable-prefix-caching"]
     if spec.block_size is not None:
         cmd += ["--block-size", str(spec.block_size)]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from kvferry.connector.config import KvferryConfig
-from kvferry.connector.layout import KVLayout, Segments, block_table, coalesce, plan
+from kvferry.connector.layout import KVLayout, Segments, block_aligned, block_table, coalesce, plan
 
 log = logging.getLogger(__name__)
 
@@ -42,21 +42,6 @@ class WritePlan:
     descriptors: int
     nbytes: int
     prep_s: float
-
-
-def block_aligned(a: KVLayout, b: KVLayout) -> bool:
-    """True when block i of one side is byte-for-byte block j of the other (same per-block layout)."""
-    fields = (
-        "block_size",
-        "num_heads",
-        "head_offset",
-        "seg_bytes",
-        "token_stride",
-        "head_stride",
-        "plane_stride",
-        "block_stride",
-    )
-    return all(getattr(a, f) == getattr(b, f) for f in fields) and a.plane_stride < a.block_stride
 
 
 class NixlTransport:
@@ -86,12 +71,15 @@ class NixlTransport:
         self._reg: object | None = None
 
     def register(self, layout: KVLayout) -> None:
-        """Register the local KV regions (DRAM) once; writes read from, and peers write into, them."""
-        descs = [(r.base, layout.region_bytes, 0, "") for r in layout.regions]
+        """Register the local KV memory once (host DRAM, or GPU VRAM for CUDA caches); writes read
+        from, and peers write into, it. Regions that share pages (cross-layer layouts) register once."""
+        descs = [(base, size, layout.device_id, "") for base, size in layout.spans()]
         try:
-            self._reg = self.agent.register_memory(descs, "DRAM")
+            self._reg = self.agent.register_memory(descs, layout.memory)
         except Exception as exc:
-            raise TransportError(f"registering {len(descs)} KV regions with NIXL failed: {exc}") from exc
+            raise TransportError(
+                f"registering {len(descs)} KV spans ({layout.memory}) with NIXL failed: {exc}"
+            ) from exc
         self.layout = layout
 
     def metadata(self) -> bytes:
@@ -139,7 +127,9 @@ class NixlTransport:
         if mode == "prepped":
             handle, count, nbytes = self._prepped_xfer(peer, src_blocks, dst_blocks, num_tokens, notif)
         else:
-            seg = plan(self.layout, src_blocks, peer.layout, dst_blocks, num_tokens)
+            seg = plan(
+                self.layout, src_blocks, peer.layout, dst_blocks, num_tokens, merge=mode == "coalesced"
+            )
             seg = coalesce(seg) if mode == "coalesced" else seg
             handle, count, nbytes = self._explicit_xfer(peer, seg, notif), len(seg), seg.total_bytes
         prep_s = time.perf_counter() - t0
@@ -150,11 +140,9 @@ class NixlTransport:
         return handle, WritePlan(mode, count, nbytes, prep_s)
 
     def _explicit_xfer(self, peer: Peer, seg: Segments, notif: bytes) -> object:
-        zeros = np.zeros(len(seg), dtype=np.uint64)
-        src = np.stack([seg.src_addr.astype(np.uint64), seg.length.astype(np.uint64), zeros], axis=1)
-        dst = np.stack([seg.dst_addr.astype(np.uint64), seg.length.astype(np.uint64), zeros], axis=1)
-        local = self.agent.get_xfer_descs(src, "DRAM")
-        remote = self.agent.get_xfer_descs(dst, "DRAM")
+        assert self.layout is not None
+        local = self.agent.get_xfer_descs(_descs(seg.src_addr, seg.length, self.layout), self.layout.memory)
+        remote = self.agent.get_xfer_descs(_descs(seg.dst_addr, seg.length, peer.layout), peer.layout.memory)
         return self.agent.initialize_xfer("WRITE", local, remote, peer.agent_name, notif)
 
     def _prepped_xfer(
@@ -168,16 +156,18 @@ class NixlTransport:
         assert self.layout is not None
         if self._local_prepped is None:
             self._local_prepped = self.agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", _block_descs(self.layout), "DRAM"
+                "NIXL_INIT_AGENT", _block_descs(self.layout), self.layout.memory
             )
         if peer.prepped is None:
-            peer.prepped = self.agent.prep_xfer_dlist(peer.agent_name, _block_descs(peer.layout), "DRAM")
+            peer.prepped = self.agent.prep_xfer_dlist(
+                peer.agent_name, _block_descs(peer.layout), peer.layout.memory
+            )
         s_tab = block_table(self.layout, src_blocks, num_tokens, "producer")
         d_tab = block_table(peer.layout, dst_blocks, num_tokens, "consumer")
         s_idx = _block_indices(self.layout, s_tab)
         d_idx = _block_indices(peer.layout, d_tab)
         handle = self.agent.make_prepped_xfer("WRITE", self._local_prepped, s_idx, peer.prepped, d_idx, notif)
-        return handle, int(s_idx.size), int(s_idx.size) * self.layout.block_stride
+        return handle, int(s_idx.size), int(s_idx.size) * self.layout.page_bytes
 
     def state(self, handle: object) -> str:
         """DONE, PROC or ERR (also drives UCX progress)."""
@@ -198,16 +188,21 @@ class NixlTransport:
             self.agent.deregister_memory(self._reg)
 
 
+def _descs(addr: np.ndarray, length: np.ndarray, layout: KVLayout) -> np.ndarray:
+    """NIXL descriptor rows (address, length, device id)."""
+    dev = np.full(addr.size, layout.device_id, dtype=np.uint64)
+    return np.stack([addr.astype(np.uint64), length.astype(np.uint64), dev], axis=1)
+
+
 def _block_descs(layout: KVLayout) -> np.ndarray:
-    """One descriptor per (region, block), region-major: index = region * num_blocks + block."""
+    """One descriptor per (region, block), region-major: index = region * num_blocks + block; each
+    covers the block's dense page (block_aligned() guarantees it holds only that block's KV)."""
     nb = layout.regions[0].num_blocks
     bases = np.array([r.base for r in layout.regions], dtype=np.uint64)
     addrs = (
         bases[:, None] + np.arange(nb, dtype=np.uint64)[None, :] * np.uint64(layout.block_stride)
     ).ravel()
-    out = np.zeros((addrs.size, 3), dtype=np.uint64)
-    out[:, 0], out[:, 1] = addrs, layout.block_stride
-    return out
+    return _descs(addrs, np.full(addrs.size, layout.page_bytes, dtype=np.uint64), layout)
 
 
 def _block_indices(layout: KVLayout, table: np.ndarray) -> np.ndarray:

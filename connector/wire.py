@@ -9,6 +9,9 @@ PROTOCOL_VERSION history (bump on any change to a message below; peers must be e
      Cancel (D->P).
   2. Registration and Done carry the sender's `revision` (the operator's kvferry.io/revision; "" outside
      Kubernetes): an engine of another revision is rejected (docs/security.md).
+  3. PeerInfo.layout is the element-exact layout measured from vLLM (per-plane token and dim offset
+     tables, dtype, kind) with its `layout_fingerprint`; Registration carries the consumer's
+     fingerprint, so a producer never writes by a layout other than the one the consumer registered.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgpack
-from kvferry.connector.layout import KVLayout, LayoutError, Region
+from kvferry.connector.layout import KVLayout, LayoutError, PlaneMap, Region
 
-PROTOCOL_VERSION = 2
-MAGIC = b"KVF\x02"  # the last byte is PROTOCOL_VERSION, so a mismatched peer fails on the first byte check
+PROTOCOL_VERSION = 3
+MAGIC = b"KVF\x03"  # the last byte is PROTOCOL_VERSION, so a mismatched peer fails on the first byte check
 
 
 class WireError(ValueError):
@@ -41,6 +44,7 @@ class PeerInfo:
     tp_size: int
     incarnation: str  # changes on restart, so a cached peer with the same engine_id is reloaded
     layout: dict[str, Any]
+    layout_fingerprint: str  # KVLayout.fingerprint of `layout`, checked when it is decoded
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class Registration:
     num_tokens: int
     block_ids: list[list[int]]  # per KV group, the consumer's destination blocks
     revision: str = ""  # the consumer's revision; the producer acts only on its own
+    layout_fingerprint: str = ""  # the consumer rank's layout these block ids address
 
 
 @dataclass(frozen=True)
@@ -155,19 +160,45 @@ def _check(where: str, value: Any, hint: Any) -> None:
 
 
 def layout_to_wire(layout: KVLayout) -> dict[str, Any]:
-    body = dataclasses.asdict(layout)
-    body["regions"] = [[r.base, r.num_blocks, r.group] for r in layout.regions]
-    return body
+    return {
+        **{n: getattr(layout, n) for n in _LAYOUT_SCALARS},
+        "planes": [[p.offset, list(p.token_offsets), list(p.dim_offsets)] for p in layout.planes],
+        "regions": [[r.base, r.num_blocks, r.group] for r in layout.regions],
+    }
 
 
-def layout_from_wire(body: dict[str, Any]) -> KVLayout:
-    """Rebuild a peer's KVLayout; any problem becomes a WireError naming the field."""
-    names = [f.name for f in dataclasses.fields(KVLayout)]
-    missing = [n for n in names if n not in body]
-    if missing:
-        raise WireError(f"peer.layout: missing field {missing[0]!r}")
+_LAYOUT_SCALARS = {
+    "kind": str,
+    "dtype": str,
+    "block_size": int,
+    "num_heads": int,
+    "head_offset": int,
+    "total_heads": int,
+    "head_dim": int,
+    "elem_bytes": int,
+    "head_stride": int,
+    "block_stride": int,
+    "memory": str,
+    "device_id": int,
+}
+
+
+def layout_from_wire(body: dict[str, Any], fingerprint: str | None = None) -> KVLayout:
+    """Rebuild a peer's KVLayout; any problem (including a fingerprint that does not match what the
+    layout hashes to) becomes a WireError naming the field."""
+    for name, kind in {**_LAYOUT_SCALARS, "planes": list, "regions": list}.items():
+        if name not in body:
+            raise WireError(f"peer.layout: missing field {name!r}")
+        if not isinstance(body[name], kind) or isinstance(body[name], bool):
+            raise WireError(f"peer.layout.{name}: expected {kind.__name__}, got {type(body[name]).__name__}")
     try:
+        planes = tuple(PlaneMap(int(o), tuple(map(int, t)), tuple(map(int, d))) for o, t, d in body["planes"])
         regions = tuple(Region(int(b), int(n), int(g)) for b, n, g in body["regions"])
-        return KVLayout(**{**{n: int(body[n]) for n in names if n != "regions"}, "regions": regions})
+        layout = KVLayout(**{n: body[n] for n in _LAYOUT_SCALARS}, planes=planes, regions=regions)
     except (LayoutError, TypeError, ValueError) as exc:
         raise WireError(f"peer.layout: {exc}") from None
+    if fingerprint is not None and layout.fingerprint != fingerprint:
+        raise WireError(
+            f"peer.layout: fingerprint {fingerprint} does not match its layout ({layout.fingerprint})"
+        )
+    return layout

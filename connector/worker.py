@@ -8,11 +8,12 @@ alone owns NIXL), results are taken without waiting. vLLM request ids are mapped
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvferry.connector.config import KvferryConfig
 from kvferry.connector.endpoint import Endpoint, Key
-from kvferry.connector.layout import KVLayout
+from kvferry.connector.kvcache import describe_kv_caches, read_elements
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.scheduler import Finished, KvferryMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -24,54 +25,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class UnsupportedCacheError(RuntimeError):
-    """A KV cache tensor kvferry cannot describe; the message names the layer and shape."""
-
-
-def describe_cache(
-    kv_caches: dict[str, torch.Tensor],
-    layer_groups: dict[str, int],
-    *,
-    head_dim: int,
-    total_heads: int,
-    tp_rank: int,
-    tp_size: int,
-) -> tuple[KVLayout, int]:
-    """This rank's KVLayout (vLLM CPU: per block, per head, K tokens then V tokens) and kernel block size."""
-    tensors = list(kv_caches.items())
-    name, first = tensors[0]
-    nb, heads = first.shape[0], first.shape[1]
-    per_head = first[0, 0].numel()
-    if per_head % (2 * head_dim) or heads * tp_size != total_heads:
-        raise UnsupportedCacheError(
-            f"KV cache {name} of shape {tuple(first.shape)} is not [blocks, heads, ...] "
-            f"with {total_heads // tp_size} heads of 2 x {head_dim} per token"
-        )
-    for lname, t in tensors:
-        if t.shape != first.shape or not t.is_contiguous() or t.dtype != first.dtype:
-            raise UnsupportedCacheError(
-                f"KV cache {lname}: shape {tuple(t.shape)}, contiguous={t.is_contiguous()}"
-                f", dtype {t.dtype}; expected the same as {name}"
-            )
-    layout = KVLayout.head_major(
-        bases=[t.data_ptr() for _, t in tensors],
-        num_blocks=nb,
-        block_size=per_head // (2 * head_dim),
-        num_heads=total_heads,
-        head_dim=head_dim,
-        elem_bytes=first.element_size(),
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        groups=[layer_groups.get(n, 0) for n, _ in tensors],
-    )
-    if layout.region_bytes != first.numel() * first.element_size():
-        raise UnsupportedCacheError(
-            f"KV cache {name}: layout covers {layout.region_bytes} bytes, tensor has "
-            f"{first.numel() * first.element_size()}"
-        )
-    return layout, layout.block_size
-
-
 class KvferryWorker:
     def __init__(self, vllm_config: VllmConfig, cfg: KvferryConfig, kv_cache_config: Any) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -81,7 +34,7 @@ class KvferryWorker:
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.groups = {n: i for i, g in enumerate(kv_cache_config.kv_cache_groups) for n in g.layer_names}
+        self.kv_cache_config = kv_cache_config
         self.metrics = Metrics(journal=True)
         self.endpoint: Endpoint | None = None
         self._ratio = 1  # kernel blocks per logical block
@@ -89,18 +42,18 @@ class KvferryWorker:
         self._failed_now: list[tuple[str, str]] = []
         self._early: list[Finished] = []  # this step's prefills to hand over after the forward pass
         self._bound: KvferryMetadata | None = None
+        self._on_gpu = False  # set from the measured layout: VRAM caches need forward-completion events
+        self._gated: list[tuple[Any, list[Finished]]] = []  # (CUDA event, prefills) awaiting the event
+        self._expected: dict[Key, tuple[list[list[int]], int]] = {}  # kv_dump_dir only: blocks, tokens
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        model = self.vllm_config.model_config
-        layout, kernel_block = describe_cache(
-            kv_caches,
-            self.groups,
-            head_dim=model.get_head_size(),
-            total_heads=model.get_total_num_kv_heads(),
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
+        """Measure this rank's KV layout through vLLM's own attention backend (kvcache.py; refuses
+        what it cannot place), register it with NIXL and start the endpoint thread."""
+        layout = describe_kv_caches(
+            kv_caches, self.vllm_config, self.kv_cache_config, tp_rank=self.tp_rank, tp_size=self.tp_size
         )
-        self._ratio = max(1, self.vllm_config.cache_config.block_size // kernel_block)
+        self._ratio = max(1, self.vllm_config.cache_config.block_size // layout.block_size)
+        self._on_gpu = layout.memory == "VRAM"
         role = "producer" if self.is_producer else "consumer"
         self.endpoint = Endpoint(
             self.cfg,
@@ -112,11 +65,10 @@ class KvferryWorker:
             metrics=self.metrics,
         ).start()
         log.info(
-            "kvferry %s rank %d: %d layers, kernel block %d tokens, side channel %s:%d",
+            "kvferry %s rank %d: KV layout %s; side channel %s:%d",
             role,
             self.tp_rank,
-            len(layout.regions),
-            kernel_block,
+            layout.describe(),
             self.cfg.side_channel_host,
             self.endpoint.side_port,
         )
@@ -140,6 +92,8 @@ class KvferryWorker:
         for e in meta.expects:
             p = e.params
             self._req_of[(p.request_id, p.attempt)] = e.req_id
+            if self.cfg.kv_dump_dir:
+                self._expected[(p.request_id, p.attempt)] = (self._kernel_ids(e.block_ids), e.num_tokens)
             ep.expect(
                 p.request_id,
                 p.attempt,
@@ -158,16 +112,35 @@ class KvferryWorker:
             (ep.prefill_aborted if self.is_producer else ep.abort)(rid, attempt)
 
     def after_forward(self) -> None:
-        """This step's forward pass has written the KV of its early prefills: push them now."""
+        """This step's forward pass has written the KV of its early prefills: push them now. On a GPU
+        the forward was only launched: the hand-off waits for a CUDA event recorded after it (polled,
+        never waited on), so no WRITE can read KV the stream has not written yet."""
         early, self._early = self._early, []
+        if not early:
+            return
+        if self._on_gpu:
+            import torch
+
+            event = torch.cuda.Event()
+            event.record()
+            self._gated.append((event, early))
+            return
         for f in early:
             self._hand_over(f, "after_forward")
+
+    def _release_gated(self) -> None:
+        """Hand over early prefills whose forward pass the GPU has finished."""
+        while self._gated and self._gated[0][0].query():
+            for f in self._gated.pop(0)[1]:
+                self._hand_over(f, "after_forward")
 
     def _hand_over(self, f: Finished, when: str) -> None:
         assert self.endpoint is not None
         self.metrics.record("handoffs", 1, when)
         p = f.params
         self._req_of[(p.request_id, p.attempt)] = f.req_id
+        if self.cfg.kv_dump_dir:
+            self._dump((p.request_id, p.attempt), self._kernel_ids(f.block_ids), f.num_tokens)
         self.endpoint.prefill_finished(
             p.request_id, p.attempt, self._kernel_ids(f.block_ids), f.num_tokens, p.consumer_engine
         )
@@ -176,15 +149,20 @@ class KvferryWorker:
         out = KVConnectorTransferResults()
         if self.endpoint is None:
             return out
-        if self._req_of:
+        self._release_gated()
+        if self._req_of or self._gated:
             self.endpoint.kick()  # something is in flight: progress it at this step's cadence
         r = self.endpoint.take_results()
         for key in r.sent + [k for k, _ in r.released]:
             if (req := self._req_of.pop(key, None)) is not None:
                 out.finished_sending.add(req)
         for key in r.received:
+            if self.cfg.kv_dump_dir and key in self._expected:
+                self._dump(key, *self._expected.pop(key))
             if (req := self._req_of.pop(key, None)) is not None:
                 out.finished_recving.add(req)
+        for k, _ in r.failed:
+            self._expected.pop(k, None)
         failed = [(self._req_of.pop(k, None), why) for k, why in r.failed] + self._failed_now
         self._failed_now = []
         for req, why in failed:
@@ -195,6 +173,16 @@ class KvferryWorker:
                 out.finished_recving.add(req)
                 out.failed_recving.add(req)
         return out
+
+    def _dump(self, key: Key, blocks: list[list[int]], num_tokens: int) -> None:
+        """kv_dump_dir: this request's KV as this rank holds it, for a read-back comparison."""
+        import numpy as np
+
+        assert self.endpoint is not None
+        layout = self.endpoint.layout
+        role = "producer" if self.is_producer else "consumer"
+        name = f"{key[0]}-{key[1]}-{role}-h{layout.head_offset}.npy"
+        np.save(Path(self.cfg.kv_dump_dir) / name, read_elements(layout, blocks, num_tokens))
 
     def take_journal(self) -> list[list[Any]]:
         return self.metrics.take_journal()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from typing import Any
 
 import httpx
@@ -24,6 +25,33 @@ def completion_body(length: int, stream: bool = False) -> dict[str, Any]:
         "model": "tiny", "prompt": token_prompt(length), "max_tokens": MAX_TOKENS, "temperature": 0,
         "ignore_eos": True, "stream": stream, "return_token_ids": True,
     }  # fmt: skip
+
+
+def kvferry_legs(
+    body: dict[str, Any], *, prefill_engine: str, prefill_side_port: int, decode_engine: str, attempt: int = 0
+) -> tuple[dict, dict, str]:
+    """(prefill body, decode body, request id) of one P/D request sent directly to the two engines,
+    as the router sends it (docs/contracts.md §1)."""
+    rid = uuid.uuid4().hex
+    common = {"v": 1, "request_id": rid, "attempt": attempt, "deadline_s": 60.0}
+    prefill = {
+        **body,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "kvferry": {**common, "role": "producer", "consumer": {"engine_id": decode_engine}},
+        },
+    }
+    producer = {"engine_id": prefill_engine, "host": "127.0.0.1", "port": prefill_side_port, "tp_size": 1}
+    decode = {
+        **body,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "kvferry": {**common, "role": "consumer", "producer": producer},
+        },
+    }
+    return prefill, decode, rid
 
 
 def chat_body(text: str) -> dict[str, Any]:

@@ -6,7 +6,6 @@ and a request with a malformed kvferry block fails alone while the engine keeps 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import pytest
 from kvferry.connector.promtext import metric_sum
 from kvferry.connector.serve import ServerSpec, VllmProcess, free_port
 
-from .pdclient import completion_body
+from .pdclient import completion_body, kvferry_legs
 
 # Start-up of three vLLM servers on a shared 2-core box can exceed the suite-wide 600 s timeout.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
@@ -81,45 +80,14 @@ def pd(
 
 
 def legs(pd: dict, length: int, attempt: int = 0) -> tuple[dict, dict, str]:
-    rid = uuid.uuid4().hex
     p, d = pd["prefill"].spec, pd["decode"].spec
-    base = completion_body(length)
-    prefill = {
-        **base,
-        "max_tokens": 1,
-        "stream": False,
-        "kv_transfer_params": {
-            "do_remote_decode": True,
-            "kvferry": {
-                "v": 1,
-                "request_id": rid,
-                "attempt": attempt,
-                "role": "producer",
-                "consumer": {"engine_id": d.engine_id},
-                "deadline_s": 60.0,
-            },
-        },
-    }
-    decode = {
-        **base,
-        "kv_transfer_params": {
-            "do_remote_prefill": True,
-            "kvferry": {
-                "v": 1,
-                "request_id": rid,
-                "attempt": attempt,
-                "role": "consumer",
-                "producer": {
-                    "engine_id": p.engine_id,
-                    "host": "127.0.0.1",
-                    "port": p.side_port,
-                    "tp_size": 1,
-                },
-                "deadline_s": 60.0,
-            },
-        },
-    }
-    return prefill, decode, rid
+    return kvferry_legs(
+        completion_body(length),
+        prefill_engine=p.engine_id,
+        prefill_side_port=p.side_port,
+        decode_engine=d.engine_id,
+        attempt=attempt,
+    )
 
 
 async def _pd_request(pd: dict, length: int) -> dict:

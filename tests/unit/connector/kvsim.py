@@ -1,15 +1,17 @@
-"""Test helper: a KV cache in a numpy byte buffer, filled and read through a `KVLayout`.
+"""Test helper: a KV cache in a numpy byte buffer, filled and read back through a `KVLayout`.
 
 Addresses are offsets into one buffer, so a plan can be applied with plain slicing: the same
-arithmetic NIXL would do, without NIXL.
+arithmetic NIXL would do, without NIXL. Values are unique per (layer, plane, global head, token,
+dim), so a read-back compares what arrived with what was sent, element by element.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from kvferry.connector.layout import KVLayout, Segments
+from kvferry.connector.layout import KVLayout, Segments, element_addresses
 
 ORIGIN = 4096  # region bases are offsets from here; 0 is not a valid address
+KINDS = ("head_major", "token_major", "k_transposed")
 
 
 def make_layout(
@@ -23,10 +25,9 @@ def make_layout(
     tp_rank: int = 0,
     tp_size: int = 1,
 ) -> KVLayout:
-    """A layout whose regions are laid out back to back from ORIGIN."""
-    factory = KVLayout.head_major if kind == "head_major" else KVLayout.token_major
-    probe = factory(
-        bases=[ORIGIN],
+    """A layout whose regions are laid out back to back from ORIGIN (4-byte elements)."""
+    factory = getattr(KVLayout, kind)
+    kw = dict(
         num_blocks=num_blocks,
         block_size=block_size,
         num_heads=heads,
@@ -34,57 +35,37 @@ def make_layout(
         elem_bytes=4,
         tp_rank=tp_rank,
         tp_size=tp_size,
+        dtype="float32",
     )
-    bases = [ORIGIN + i * probe.region_bytes for i in range(layers)]
-    return factory(
-        bases=bases,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        num_heads=heads,
-        head_dim=head_dim,
-        elem_bytes=4,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-    )
+    size = factory(bases=[ORIGIN], **kw).region_bytes
+    return factory(bases=[ORIGIN + i * size for i in range(layers)], **kw)
 
 
 def buffer_for(layout: KVLayout) -> np.ndarray:
     return np.zeros(ORIGIN + len(layout.regions) * layout.region_bytes, dtype=np.uint8)
 
 
-def token_value(layer: int, plane: int, head: int, token: int, dim: int) -> np.ndarray:
-    """A float32 vector unique to (layer, plane, head, token)."""
-    base = ((layer * 2 + plane) * 64 + head) * 100000 + token
-    return (np.arange(dim, dtype=np.float32) + base * 1000.0).astype(np.float32)
+def expected(layout: KVLayout, num_tokens: int) -> np.ndarray:
+    """layers x planes x heads (this rank's) x tokens x dims, as int32."""
+    layer, plane, head, tok, dim = np.ogrid[
+        : len(layout.regions), : layout.num_planes, layout.heads(), :num_tokens, : layout.head_dim
+    ]
+    v = layer * 1_000_003 + plane * 7_919 + head * 104_729 + tok * 613 + dim * 1_299_709 + 1
+    return (v % (2**31 - 1)).astype(np.int32)
 
 
-def _addr(layout: KVLayout, layer: int, plane: int, head: int, token: int, blocks: list[int]) -> int:
-    r = layout.regions[layer]
-    block = blocks[token // layout.block_size]
-    return (
-        r.base
-        + block * layout.block_stride
-        + plane * layout.plane_stride
-        + (head - layout.head_offset) * layout.head_stride
-        + (token % layout.block_size) * layout.token_stride
-    )
+def _words(buf: np.ndarray, layout: KVLayout, blocks: list[int], num_tokens: int) -> np.ndarray:
+    addr = element_addresses(layout, [blocks], num_tokens)
+    assert (addr % 4 == 0).all()
+    return addr // 4
 
 
 def fill(buf: np.ndarray, layout: KVLayout, blocks: list[int], num_tokens: int) -> None:
-    dim = layout.seg_bytes // 4
-    for layer in range(len(layout.regions)):
-        for plane in range(layout.num_planes):
-            for head in layout.heads():
-                for t in range(num_tokens):
-                    a = _addr(layout, layer, plane, head, t, blocks)
-                    buf[a : a + layout.seg_bytes] = token_value(layer, plane, head, t, dim).view(np.uint8)
+    buf.view(np.int32)[_words(buf, layout, blocks, num_tokens)] = expected(layout, num_tokens)
 
 
-def read(
-    buf: np.ndarray, layout: KVLayout, blocks: list[int], layer: int, plane: int, head: int, token: int
-) -> np.ndarray:
-    a = _addr(layout, layer, plane, head, token, blocks)
-    return buf[a : a + layout.seg_bytes].view(np.float32)
+def gather(buf: np.ndarray, layout: KVLayout, blocks: list[int], num_tokens: int) -> np.ndarray:
+    return buf.view(np.int32)[_words(buf, layout, blocks, num_tokens)]
 
 
 def apply(seg: Segments, src: np.ndarray, dst: np.ndarray) -> None:

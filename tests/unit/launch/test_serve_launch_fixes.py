@@ -47,6 +47,15 @@ def test_command_starts_the_server_module_on_loopback() -> None:
     assert "--kv-transfer-config" not in command(ServerSpec(model=Path("/m"), port=1), python="py")
 
 
+def test_command_serves_the_model_in_its_dtype() -> None:
+    def dtype_of(cmd: list[str]) -> str:
+        return cmd[cmd.index("--dtype") + 1]
+
+    assert dtype_of(command(spec(), python="py")) == "float32"  # the default, as before
+    assert dtype_of(command(spec(dtype="bfloat16"), python="py")) == "bfloat16"
+    assert dtype_of(command(ServerSpec(model=Path("/m"), port=1, dtype="float16"), python="py")) == "float16"
+
+
 def test_kvferry_connector_gets_module_path_and_side_channel() -> None:
     config = kv_transfer_config(spec(role="decode", connector="KvferryConnector", engine_id="decode-0"))
     assert config is not None and config["kv_role"] == "kv_consumer"
@@ -74,6 +83,7 @@ def test_env_binds_cores_bounds_kv_and_stays_offline() -> None:
         ({"connector": None}, "a connector is needed exactly when"),
         ({"connector": "LMCache"}, "unknown connector 'LMCache'"),
         ({"side_port": None}, "needs engine_id and side_port"),
+        ({"dtype": "fp8"}, "dtype 'fp8' is not one of"),
     ],
 )
 def test_bad_specs_fail_clearly(kw: dict[str, object], message: str) -> None:
