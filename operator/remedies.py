@@ -31,6 +31,11 @@ FIXES: dict[Reason, str] = {
         "kvTransfer.deadlineSeconds/leaseSeconds or add decode pods; handshake_failed: side-channel port "
         "blocked (NetworkPolicy, security groups)"
     ),
+    Reason.LAYOUT_MISMATCH: (
+        "prefill and decode store KV in layouts kvferry cannot map (dtype, head size, layer count, "
+        "kvCacheDtype or model differ): the engine log line 'kvferry: layout mismatch' names both; run "
+        "both roles with the same model, dtype and KV cache dtype"
+    ),
     Reason.WRONG_BACKEND: (
         "set spec.kvTransfer.backends to [LIBFABRIC] (or leave it empty for the EFA preset's) and remove "
         "any backends override from the image or extraArgs"

@@ -275,6 +275,7 @@ class TransferStatus:
     p99_seconds: float | None = f("99th-percentile transfer time in seconds.", None)
     local_tokens: int = f("Prompt tokens decode computed itself.", 0)
     external_tokens: int = f("Prompt tokens decode received as KV.", 0)
+    layout_mismatches: int = f("Transfers refused because P's and D's KV layouts cannot be mapped.", 0)
     last_failure: str = f("Reason label of the most recent failures.", "")
     last_failure_time: str = f("When failures last increased.", "")
     scraped_pods: int = f("Pods whose metrics were read in the last scrape.", 0)

@@ -36,6 +36,7 @@ class Reason(str, Enum):
     TRANSFERS_OK = "TransfersSucceeding"
     NO_TRAFFIC = "NoTransfersYet"
     TRANSFER_FAILURES = "TransferFailures"
+    LAYOUT_MISMATCH = "KVLayoutMismatch"  # transfers refused: P's and D's KV layouts cannot be mapped
     WRONG_BACKEND = "UCXOnEFA"
     DECODE_RECOMPUTES = "DecodeRecomputes"
     METRICS_UNAVAILABLE = "MetricsUnavailable"

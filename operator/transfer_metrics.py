@@ -126,6 +126,11 @@ def _increase(now: float, before: float) -> float:
     return now if now < before else now - before
 
 
+def layout_refusals(producer: Sample, consumer: Sample) -> float:
+    """Transfers either side refused because the two KV layouts cannot be mapped."""
+    return sum(s.failures_by_reason.get("layout_mismatch", 0) for s in (producer, consumer))
+
+
 def health(
     producer: Sample, consumer: Sample, previous: dict[str, Any], efa: bool, scraped: int
 ) -> tuple[str, Reason, str]:
@@ -154,6 +159,14 @@ def health(
             "False",
             Reason.PREFLIGHT_FAILED,
             f"start-up checks failed ({what}): see kvferry_preflight_ok and the engine pods' logs",
+        )
+    refused = _increase(layout_refusals(producer, consumer), previous.get("layoutMismatches", 0))
+    if refused > 0:  # before TransferFailures: a refusal is a configuration fault, not load
+        return (
+            "False",
+            Reason.LAYOUT_MISMATCH,
+            f"{refused:.0f} transfers refused since the last check: prefill and decode KV layouts "
+            "cannot be mapped element by element",
         )
     failed = _increase(producer.failures, previous.get("failures", 0))
     if failed > 0:
@@ -214,6 +227,7 @@ def summarize(
         "p50Seconds": p50,
         "p99Seconds": p99,
         "localTokens": int(consumer.local_tokens),
+        "layoutMismatches": int(layout_refusals(producer, consumer)),
         "externalTokens": int(consumer.external_tokens),
         "lastFailure": previous.get("lastFailure", ""),
         "lastFailureTime": previous.get("lastFailureTime", ""),

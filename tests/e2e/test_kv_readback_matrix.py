@@ -19,6 +19,7 @@ boundary of those sizes.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 
 import httpx
@@ -34,15 +35,23 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 READY_S = 600
 TIE = 1e-4
 LENGTHS = (2, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 700, 1500)
+# Every shape and block value of the matrix at least once (heads 8/2, 4/1, 2/2; head_dim 32, 128, 64;
+# fp32 and bf16; Qwen3 and Llama; P/D blocks 32/128, 128/32, 32/32, 64/128), in the test command.
 CASES = {  # id: (shape, prefill block, decode block)
     "qwen3-h8kv2d32-f32-P32-D128": ("qwen3-h8kv2d32l3-f32", 32, 128),
-    "qwen3-h8kv2d32-f32-P128-D32": ("qwen3-h8kv2d32l3-f32", 128, 32),
-    "llama-h8kv2d64-bf16-P32-D128": ("llama-h8kv2d64l3-bf16", 32, 128),
-    "qwen3-h4kv1d128-bf16-P64-D128": ("qwen3-h4kv1d128l3-bf16", 64, 128),
     "llama-h4kv1d128-f32-P128-D32": ("llama-h4kv1d128l3-f32", 128, 32),
     "qwen3-h2kv2d64-bf16-P32-D32": ("qwen3-h2kv2d64l3-bf16", 32, 32),
     "llama-h8kv2d32-bf16-P64-D128": ("llama-h8kv2d32l3-bf16", 64, 128),
 }
+# KVFERRY_MATRIX=full adds the rest of the shapes (about 75 s a case on 2 cores).
+FULL = {
+    "qwen3-h8kv2d32-f32-P128-D32": ("qwen3-h8kv2d32l3-f32", 128, 32),
+    "llama-h8kv2d64-bf16-P32-D128": ("llama-h8kv2d64l3-bf16", 32, 128),
+    "qwen3-h4kv1d128-bf16-P64-D128": ("qwen3-h4kv1d128l3-bf16", 64, 128),
+    "llama-h2kv2d64-f32-P128-D32": ("llama-h2kv2d64l2-f32", 128, 32),
+}
+if os.environ.get("KVFERRY_MATRIX") == "full":
+    CASES |= FULL
 
 
 @pytest.fixture(scope="module", params=list(CASES.values()), ids=list(CASES))

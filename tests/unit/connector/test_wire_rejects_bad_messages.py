@@ -80,3 +80,19 @@ def test_layout_round_trip_and_bad_layout():
     del body["regions"]
     with pytest.raises(WireError, match="missing field 'regions'"):
         layout_from_wire(body)
+
+
+def test_layout_whose_fingerprint_does_not_match_is_rejected():
+    layout = KVLayout.k_transposed(
+        bases=[4096], num_blocks=8, block_size=16, num_heads=2, head_dim=8, elem_bytes=2, dtype="bfloat16"
+    )
+    body = layout_to_wire(layout)
+    assert layout_from_wire(body, layout.fingerprint).planes == layout.planes
+    body["head_stride"] *= 2  # heads moved apart: another layout than the one fingerprinted
+    body["block_stride"] *= 2
+    with pytest.raises(WireError, match="fingerprint"):
+        layout_from_wire(body, layout.fingerprint)
+    body = layout_to_wire(layout)
+    body["planes"] = [[0, [0], [0]]]
+    with pytest.raises(WireError, match="token and 1 dim offsets"):
+        layout_from_wire(body)

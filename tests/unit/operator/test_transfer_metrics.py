@@ -14,12 +14,14 @@ def metrics(
     local: int = 0,
     external: int = 0,
     buckets: tuple = ((0.01, 10), (0.05, 90), (0.1, 100)),
+    refused: int = 0,
 ) -> str:
     lines = [
         "# TYPE kvferry_transfers counter",
         f'kvferry_transfers_total{{backend="{backend}"}} {transfers}',
         "# TYPE kvferry_transfer_failures counter",
         f'kvferry_transfer_failures_total{{reason="timeout"}} {failures}',
+        f'kvferry_transfer_failures_total{{reason="layout_mismatch"}} {refused}',
         "# TYPE kvferry_transfer_seconds histogram",
     ]
     for le, count in buckets:
@@ -53,6 +55,15 @@ def test_new_failures_make_transfers_unhealthy_with_the_reason() -> None:
     assert (summary["lastFailure"], summary["lastFailureTime"]) == ("timeout", "t")
     _, again = _run([metrics(120, failures=3)], [], previous=summary)
     assert again[0] == "True"
+
+
+def test_layout_refusals_are_named_before_other_failures() -> None:
+    refused = metrics(0, refused=4)
+    summary, verdict = _run([metrics(10)], [refused])
+    assert verdict[:2] == ("False", Reason.LAYOUT_MISMATCH) and "4 transfers refused" in verdict[2]
+    assert summary["layoutMismatches"] == 4
+    _, again = _run([metrics(20)], [refused], previous=summary)  # no new refusals: healthy again
+    assert again[1] != Reason.LAYOUT_MISMATCH
 
 
 def test_ucx_on_efa_and_decode_recompute_are_named() -> None:
