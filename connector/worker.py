@@ -8,14 +8,17 @@ alone owns NIXL), results are taken without waiting. vLLM request ids are mapped
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvferry.connector.config import KvferryConfig
 from kvferry.connector.endpoint import Endpoint, Key
 from kvferry.connector.kvcache import describe_kv_caches, read_elements
+from kvferry.connector.layout import KVLayout
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.scheduler import Finished, KvferryMetadata
+from kvferry.connector.staging import HostStage
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 if TYPE_CHECKING:
@@ -23,6 +26,14 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
+
+
+def _record_event() -> Any:
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 class KvferryWorker:
@@ -42,9 +53,12 @@ class KvferryWorker:
         self._failed_now: list[tuple[str, str]] = []
         self._early: list[Finished] = []  # this step's prefills to hand over after the forward pass
         self._bound: KvferryMetadata | None = None
-        self._on_gpu = False  # set from the measured layout: VRAM caches need forward-completion events
-        self._gated: list[tuple[Any, list[Finished]]] = []  # (CUDA event, prefills) awaiting the event
-        self._expected: dict[Key, tuple[list[list[int]], int]] = {}  # kv_dump_dir only: blocks, tokens
+        self._on_gpu = False  # set from the measured layout: VRAM caches need completion events
+        self._stage: HostStage | None = None  # kv_buffer_device cpu (or host_staging): host twins
+        self._cache_layout: KVLayout | None = None  # the engine's own cache (the endpoint may use twins)
+        self._gated: list[tuple[Any, Callable[[], None]]] = []  # (CUDA event, what to do once it passed)
+        self._landed: set[str] = set()  # consumer: vLLM requests whose KV is in the engine's cache
+        self._expected: dict[Key, tuple[list[list[int]], int]] = {}  # staging / kv_dump_dir: blocks, tokens
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Measure this rank's KV layout through vLLM's own attention backend (kvcache.py; refuses
@@ -53,7 +67,10 @@ class KvferryWorker:
             kv_caches, self.vllm_config, self.kv_cache_config, tp_rank=self.tp_rank, tp_size=self.tp_size
         )
         self._ratio = max(1, self.vllm_config.cache_config.block_size // layout.block_size)
-        self._on_gpu = layout.memory == "VRAM"
+        self._cache_layout, self._on_gpu = layout, layout.memory == "VRAM"
+        buffer_device = getattr(self.vllm_config.kv_transfer_config, "kv_buffer_device", "cuda")
+        if self.cfg.host_staging or (self._on_gpu and buffer_device == "cpu"):
+            self._stage = HostStage(kv_caches, [r.group for r in layout.regions])
         role = "producer" if self.is_producer else "consumer"
         self.endpoint = Endpoint(
             self.cfg,
@@ -61,14 +78,15 @@ class KvferryWorker:
             engine_id=self.engine_id,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
-            layout=layout,
+            layout=self._stage.rebase(layout) if self._stage else layout,
             metrics=self.metrics,
         ).start()
         log.info(
-            "kvferry %s rank %d: KV layout %s; side channel %s:%d",
+            "kvferry %s rank %d: KV layout %s%s; side channel %s:%d",
             role,
             self.tp_rank,
             layout.describe(),
+            "; staged through host memory" if self._stage else "",
             self.cfg.side_channel_host,
             self.endpoint.side_port,
         )
@@ -92,7 +110,7 @@ class KvferryWorker:
         for e in meta.expects:
             p = e.params
             self._req_of[(p.request_id, p.attempt)] = e.req_id
-            if self.cfg.kv_dump_dir:
+            if self.cfg.kv_dump_dir or self._stage:
                 self._expected[(p.request_id, p.attempt)] = (self._kernel_ids(e.block_ids), e.num_tokens)
             ep.expect(
                 p.request_id,
@@ -112,38 +130,54 @@ class KvferryWorker:
             (ep.prefill_aborted if self.is_producer else ep.abort)(rid, attempt)
 
     def after_forward(self) -> None:
-        """This step's forward pass has written the KV of its early prefills: push them now. On a GPU
-        the forward was only launched: the hand-off waits for a CUDA event recorded after it (polled,
-        never waited on), so no WRITE can read KV the stream has not written yet."""
+        """This step's forward pass has written the KV of its early prefills: push them now."""
         early, self._early = self._early, []
-        if not early:
-            return
-        if self._on_gpu:
-            import torch
-
-            event = torch.cuda.Event()
-            event.record()
-            self._gated.append((event, early))
-            return
         for f in early:
             self._hand_over(f, "after_forward")
 
-    def _release_gated(self) -> None:
-        """Hand over early prefills whose forward pass the GPU has finished."""
-        while self._gated and self._gated[0][0].query():
-            for f in self._gated.pop(0)[1]:
-                self._hand_over(f, "after_forward")
-
     def _hand_over(self, f: Finished, when: str) -> None:
+        """Give a finished prefill to the endpoint once its KV is where NIXL reads it. On a GPU the
+        forward (and a staging copy) were only launched: the hand-off waits for a CUDA event recorded
+        after them (polled each step, never waited on), so no WRITE reads KV not yet written."""
+        blocks = self._kernel_ids(f.block_ids)
+        event = self._stage.to_host(blocks) if self._stage else None
+        if event is None and self._on_gpu and when == "after_forward":
+            event = _record_event()
+        self._after(event, lambda: self._hand_over_now(f, when, blocks))
+
+    def _hand_over_now(self, f: Finished, when: str, blocks: list[list[int]]) -> None:
         assert self.endpoint is not None
         self.metrics.record("handoffs", 1, when)
         p = f.params
         self._req_of[(p.request_id, p.attempt)] = f.req_id
         if self.cfg.kv_dump_dir:
-            self._dump((p.request_id, p.attempt), self._kernel_ids(f.block_ids), f.num_tokens)
-        self.endpoint.prefill_finished(
-            p.request_id, p.attempt, self._kernel_ids(f.block_ids), f.num_tokens, p.consumer_engine
-        )
+            self._dump((p.request_id, p.attempt), blocks, f.num_tokens)
+        self.endpoint.prefill_finished(p.request_id, p.attempt, blocks, f.num_tokens, p.consumer_engine)
+
+    def _received(self, key: Key) -> None:
+        """The KV of `key` landed where NIXL writes: bring it into the engine's cache (staging), then
+        let vLLM see it."""
+        req, expected = self._req_of.pop(key, None), self._expected.pop(key, None)
+        event = self._stage.to_device(expected[0]) if self._stage and expected else None
+
+        def landed() -> None:
+            if self.cfg.kv_dump_dir and expected:
+                self._dump(key, *expected)
+            if req is not None:
+                self._landed.add(req)
+
+        self._after(event, landed)
+
+    def _after(self, event: Any, then: Callable[[], None]) -> None:
+        if event is None:
+            then()
+        else:
+            self._gated.append((event, then))
+
+    def _release_gated(self) -> None:
+        """Run what waited for GPU work that has now finished (in order)."""
+        while self._gated and self._gated[0][0].query():
+            self._gated.pop(0)[1]()
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
@@ -157,10 +191,9 @@ class KvferryWorker:
             if (req := self._req_of.pop(key, None)) is not None:
                 out.finished_sending.add(req)
         for key in r.received:
-            if self.cfg.kv_dump_dir and key in self._expected:
-                self._dump(key, *self._expected.pop(key))
-            if (req := self._req_of.pop(key, None)) is not None:
-                out.finished_recving.add(req)
+            self._received(key)
+        out.finished_recving.update(self._landed)
+        self._landed.clear()
         for k, _ in r.failed:
             self._expected.pop(k, None)
         failed = [(self._req_of.pop(k, None), why) for k, why in r.failed] + self._failed_now
@@ -178,8 +211,8 @@ class KvferryWorker:
         """kv_dump_dir: this request's KV as this rank holds it, for a read-back comparison."""
         import numpy as np
 
-        assert self.endpoint is not None
-        layout = self.endpoint.layout
+        layout = self._cache_layout  # the engine's own cache, where vLLM reads and writes the KV
+        assert layout is not None
         role = "producer" if self.is_producer else "consumer"
         name = f"{key[0]}-{key[1]}-{role}-h{layout.head_offset}.npy"
         np.save(Path(self.cfg.kv_dump_dir) / name, read_elements(layout, blocks, num_tokens))

@@ -6,7 +6,8 @@ measured layout (the producer when it hands the request over, the consumer when 
 The test then checks, for every request:
 
 - the decode's cache blocks equal the prefill's, value by value, for every layer, plane, head, token
-  and dim (nothing else counts as a correct transfer);
+  and dim (nothing else counts as a correct transfer); one case stages through host memory on both
+  sides (`host_staging`: device cache -> host twin -> NIXL -> host twin -> device cache);
 - greedy outputs equal a single instance's, token for token; a parting is tolerated only where the
   reference's top-2 logprobs differ by less than the model dtype resolves (TIE: 1e-4 in float32, one
   bfloat16 step in bfloat16; P's prefill over other block sizes rounds differently), and the test
@@ -45,7 +46,8 @@ CASES = {  # id: (shape, prefill block, decode block)
     "qwen3-h8kv2d32-f32-P32-D128": ("qwen3-h8kv2d32l3-f32", 32, 128),
     "llama-h4kv1d128-f32-P128-D32": ("llama-h4kv1d128l3-f32", 128, 32),
     "qwen3-h2kv2d64-bf16-P32-D32": ("qwen3-h2kv2d64l3-bf16", 32, 32),
-    "llama-h8kv2d32-bf16-P64-D128": ("llama-h8kv2d32l3-bf16", 64, 128),
+    # both sides stage through host memory (the kv_buffer_device: cpu path of GPU nodes, same copies)
+    "llama-h8kv2d32-bf16-P64-D128-staged": ("llama-h8kv2d32l3-bf16", 64, 128, True),
 }
 # KVFERRY_MATRIX=full adds the rest of the shapes (about 75 s a case on 2 cores).
 FULL = {
@@ -61,13 +63,13 @@ if os.environ.get("KVFERRY_MATRIX") == "full":
 @pytest.fixture(scope="module", params=list(CASES.values()), ids=list(CASES))
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """Reference (decode's block size), P on core 0 and D on core 1, started together; stopped by PID."""
-    name, p_block, d_block = request.param
+    name, p_block, d_block, *staged = request.param
     arch, shape = SHAPES[name]
     model = ensure(arch, shape)
     work = tmp_path_factory.mktemp(name)
     dumps = work / "kv"
     dumps.mkdir()
-    extra = {"backends": ["UCX"], "deadline_s": 60.0, "kv_dump_dir": str(dumps)}
+    extra = {"backends": ["UCX"], "deadline_s": 60.0, "kv_dump_dir": str(dumps), "host_staging": bool(staged)}
 
     def spec(role: str, block: int, cores: str) -> ServerSpec:
         if role == "single":
