@@ -9,11 +9,20 @@ written by vLLM's own code (`cpu/<isa>`, `cuda/FLASH_ATTN/<KVCacheLayout>`: vllm
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
-from kvferry.connector.layout import KVLayout, element_addresses
+from kvferry.connector.layout import (
+    KVLayout,
+    LayoutError,
+    PlaneMap,
+    element_addresses,
+    regions_at,
+    split_heads,
+)
 
 ALIGN = 4096
 SYNTHETIC = ("head_major", "token_major", "k_transposed")
@@ -34,6 +43,55 @@ class CacheShape:
     dtype: str = "float32"  # vLLM-built caches only; synthetic ones hold int32 words
 
 
+def synthetic_layout(
+    order: str,
+    *,
+    bases: Sequence[int],
+    num_blocks: int,
+    block_size: int,
+    num_heads: int,
+    head_dim: int,
+    elem_bytes: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    groups: Sequence[int] | None = None,
+    dtype: str = "",
+) -> KVLayout:
+    """Test and demo layouts (pure numpy caches): `head_major` ([blocks, heads, 2 * bs, dim], each
+    token's dims contiguous), `token_major` (NHD pages: [blocks, 2, bs, heads, dim]) and
+    `k_transposed` (vLLM-CPU `vec` packing: per head K dim-major, V token-major)."""
+    local = split_heads(num_heads, tp_rank, tp_size)
+    e, bs, hd, h = elem_bytes, block_size, head_dim, len(local)
+    tok, dim = [t * hd * e for t in range(bs)], [d * e for d in range(hd)]
+    if order == "head_major":
+        planes = (PlaneMap(0, tuple(tok), tuple(dim)), PlaneMap(bs * hd * e, tuple(tok), tuple(dim)))
+        head_stride, block_stride = 2 * bs * hd * e, h * 2 * bs * hd * e
+    elif order == "k_transposed":
+        k = PlaneMap(0, tuple(t * e for t in range(bs)), tuple(d * bs * e for d in range(hd)))
+        planes = (k, PlaneMap(bs * hd * e, tuple(tok), tuple(dim)))
+        head_stride, block_stride = 2 * bs * hd * e, h * 2 * bs * hd * e
+    elif order == "token_major":
+        tok = [t * h * hd * e for t in range(bs)]
+        planes = (PlaneMap(0, tuple(tok), tuple(dim)), PlaneMap(bs * h * hd * e, tuple(tok), tuple(dim)))
+        head_stride, block_stride = hd * e, 2 * bs * h * hd * e
+    else:
+        raise LayoutError(f"unknown synthetic order {order!r}")
+    return KVLayout(
+        kind=f"synthetic/{order}",
+        dtype=dtype or f"{8 * e}-bit",
+        block_size=bs,
+        num_heads=h,
+        head_offset=local.start,
+        total_heads=num_heads,
+        head_dim=hd,
+        elem_bytes=e,
+        head_stride=head_stride,
+        block_stride=block_stride,
+        planes=planes,
+        regions=regions_at(bases, num_blocks, groups),
+    )
+
+
 def host_kv(shape: CacheShape, tp_rank: int) -> Any:
     """The cache for `shape` (HostKV or vllmkv.VllmKV: same fill / mismatches / layout surface)."""
     if shape.order in SYNTHETIC:
@@ -47,7 +105,7 @@ class HostKV:
     """One TP rank's synthetic cache: a page-aligned int32 buffer holding every layer, and its KVLayout."""
 
     def __init__(self, shape: CacheShape, tp_rank: int) -> None:
-        factory = getattr(KVLayout, shape.order)
+        factory = partial(synthetic_layout, shape.order)
         kw = dict(
             num_blocks=shape.num_blocks,
             block_size=shape.block_size,

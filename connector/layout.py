@@ -235,7 +235,7 @@ class KVLayout:
             head_stride=head_stride,
             block_stride=block_stride,
             planes=tuple(planes),
-            regions=_regions(bases, num_blocks, kw.pop("groups", None)),
+            regions=regions_at(bases, num_blocks, kw.pop("groups", None)),
             **kw,
         )
         if not np.array_equal(layout.block_offsets(), off):
@@ -246,69 +246,6 @@ class KVLayout:
             )
         return layout
 
-    @classmethod
-    def head_major(cls, **kw) -> KVLayout:
-        """Synthetic test layout: per block, per head, K tokens then V tokens, each token's dims
-        contiguous ([blocks, heads, 2*bs, dim])."""
-        return cls._synthetic("head_major", **kw)
-
-    @classmethod
-    def token_major(cls, **kw) -> KVLayout:
-        """Synthetic test layout (NHD pages): [blocks, 2, block_size, heads, dim]."""
-        return cls._synthetic("token_major", **kw)
-
-    @classmethod
-    def k_transposed(cls, **kw) -> KVLayout:
-        """vLLM-CPU `vec` packing: per block, per head, K stored dim-major ([dim, bs]), V token-major."""
-        return cls._synthetic("k_transposed", **kw)
-
-    @classmethod
-    def _synthetic(
-        cls,
-        order: str,
-        *,
-        bases: Sequence[int],
-        num_blocks: int,
-        block_size: int,
-        num_heads: int,
-        head_dim: int,
-        elem_bytes: int,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        groups: Sequence[int] | None = None,
-        dtype: str = "",
-    ) -> KVLayout:
-        local = split_heads(num_heads, tp_rank, tp_size)
-        e, bs, hd, h = elem_bytes, block_size, head_dim, len(local)
-        tok, dim = [t * hd * e for t in range(bs)], [d * e for d in range(hd)]
-        if order == "head_major":
-            planes = (PlaneMap(0, tuple(tok), tuple(dim)), PlaneMap(bs * hd * e, tuple(tok), tuple(dim)))
-            head_stride, block_stride = 2 * bs * hd * e, h * 2 * bs * hd * e
-        elif order == "k_transposed":
-            k = PlaneMap(0, tuple(t * e for t in range(bs)), tuple(d * bs * e for d in range(hd)))
-            planes = (k, PlaneMap(bs * hd * e, tuple(tok), tuple(dim)))
-            head_stride, block_stride = 2 * bs * hd * e, h * 2 * bs * hd * e
-        elif order == "token_major":
-            tok = [t * h * hd * e for t in range(bs)]
-            planes = (PlaneMap(0, tuple(tok), tuple(dim)), PlaneMap(bs * h * hd * e, tuple(tok), tuple(dim)))
-            head_stride, block_stride = hd * e, 2 * bs * h * hd * e
-        else:
-            raise LayoutError(f"unknown synthetic order {order!r}")
-        return cls(
-            kind=f"synthetic/{order}",
-            dtype=dtype or f"{8 * e}-bit",
-            block_size=bs,
-            num_heads=h,
-            head_offset=local.start,
-            total_heads=num_heads,
-            head_dim=hd,
-            elem_bytes=e,
-            head_stride=head_stride,
-            block_stride=block_stride,
-            planes=planes,
-            regions=_regions(bases, num_blocks, groups),
-        )
-
 
 def _blocks_disjoint(sorted_offsets: np.ndarray, elem: int, stride: int) -> bool:
     """True when a page placed every `stride` bytes never overlaps the next one."""
@@ -316,7 +253,7 @@ def _blocks_disjoint(sorted_offsets: np.ndarray, elem: int, stride: int) -> bool
     return bool((np.diff(shifted) >= elem).all())
 
 
-def _regions(bases: Sequence[int], num_blocks: int, groups: Sequence[int] | None) -> tuple[Region, ...]:
+def regions_at(bases: Sequence[int], num_blocks: int, groups: Sequence[int] | None) -> tuple[Region, ...]:
     groups = list(groups) if groups is not None else [0] * len(bases)
     if len(groups) != len(bases):
         raise LayoutError(f"{len(groups)} groups given for {len(bases)} regions")

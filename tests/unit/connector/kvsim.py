@@ -7,7 +7,10 @@ dim), so a read-back compares what arrived with what was sent, element by elemen
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
+from kvferry.connector.hostkv import synthetic_layout
 from kvferry.connector.layout import KVLayout, Segments, element_addresses
 
 ORIGIN = 4096  # region bases are offsets from here; 0 is not a valid address
@@ -26,7 +29,7 @@ def make_layout(
     tp_size: int = 1,
 ) -> KVLayout:
     """A layout whose regions are laid out back to back from ORIGIN (4-byte elements)."""
-    factory = getattr(KVLayout, kind)
+    factory = partial(synthetic_layout, kind)
     kw = dict(
         num_blocks=num_blocks,
         block_size=block_size,

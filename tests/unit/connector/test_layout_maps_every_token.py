@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvferry.connector.hostkv import synthetic_layout
 from kvferry.connector.layout import (
     KVLayout,
     LayoutError,
@@ -142,11 +143,25 @@ def test_unmappable_layouts_are_refused_naming_the_difference_and_both_layouts()
         plan(a, [[0]], b, [[0]], 4)
     with pytest.raises(LayoutError, match="layer count"):
         check_compatible(a, c)
-    bf16 = KVLayout.head_major(
-        bases=[4096], num_blocks=8, block_size=4, num_heads=2, head_dim=4, elem_bytes=2, dtype="bfloat16"
+    bf16 = synthetic_layout(
+        "head_major",
+        bases=[4096],
+        num_blocks=8,
+        block_size=4,
+        num_heads=2,
+        head_dim=4,
+        elem_bytes=2,
+        dtype="bfloat16",
     )
-    fp16 = KVLayout.head_major(
-        bases=[4096], num_blocks=8, block_size=4, num_heads=2, head_dim=4, elem_bytes=2, dtype="float16"
+    fp16 = synthetic_layout(
+        "head_major",
+        bases=[4096],
+        num_blocks=8,
+        block_size=4,
+        num_heads=2,
+        head_dim=4,
+        elem_bytes=2,
+        dtype="float16",
     )
     with pytest.raises(LayoutError, match="dtype: producer bfloat16, consumer float16"):
         check_compatible(bf16, fp16)

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvferry.connector.layout import KVLayout
+from kvferry.connector.hostkv import synthetic_layout
 from kvferry.connector.wire import (
     MAGIC,
     Done,
@@ -69,8 +69,14 @@ def test_foreign_bytes_and_versions_are_rejected():
 
 
 def test_layout_round_trip_and_bad_layout():
-    layout = KVLayout.head_major(
-        bases=[4096, 1 << 20], num_blocks=8, block_size=16, num_heads=2, head_dim=8, elem_bytes=4
+    layout = synthetic_layout(
+        "head_major",
+        bases=[4096, 1 << 20],
+        num_blocks=8,
+        block_size=16,
+        num_heads=2,
+        head_dim=8,
+        elem_bytes=4,
     )
     assert layout_from_wire(layout_to_wire(layout)) == layout
     body = layout_to_wire(layout)
@@ -83,8 +89,15 @@ def test_layout_round_trip_and_bad_layout():
 
 
 def test_layout_whose_fingerprint_does_not_match_is_rejected():
-    layout = KVLayout.k_transposed(
-        bases=[4096], num_blocks=8, block_size=16, num_heads=2, head_dim=8, elem_bytes=2, dtype="bfloat16"
+    layout = synthetic_layout(
+        "k_transposed",
+        bases=[4096],
+        num_blocks=8,
+        block_size=16,
+        num_heads=2,
+        head_dim=8,
+        elem_bytes=2,
+        dtype="bfloat16",
     )
     body = layout_to_wire(layout)
     assert layout_from_wire(body, layout.fingerprint).planes == layout.planes
