@@ -1,9 +1,11 @@
 """`kvferry transfer-demo`: a real two-sided push transfer over NIXL between processes on this machine.
 
-Prefill (producer) TP=1 with 16-token head-major blocks; decode (consumer) TP=2 with 32-token
-token-major blocks, one process per rank. Decode registers first, prefill finishes second (and the
-reverse for a second request); every consumer rank then reads the KV through its own layout and
-compares it with the producer's values for every token, layer and head.
+Both sides hold vLLM-CPU KV caches built and written by vLLM's own kernel (`vec` ISA: K dim-major
+inside a block), layouts measured as the connector measures them inside vLLM. Prefill (producer)
+TP=1 with 32-token blocks; decode (consumer) TP=2 with 128-token blocks, one process per rank.
+Decode registers first, prefill finishes second (and the reverse for a second request); every
+consumer rank then reads the KV through its own layout and compares it with the producer's values
+for every element, and its pages with what its own vLLM write of the same KV stores.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import time
 from kvferry.connector.hostkv import CacheShape
 from kvferry.connector.rankproc import RankProcess, RankSpec
 
+P_BLOCK, D_BLOCK = 32, 128
+
 
 def run(tokens: int, backend: str, out=print) -> bool:
-    p_shape = CacheShape(block_size=16, order="head_major", tp_size=1, num_blocks=256)
-    d_shape = CacheShape(block_size=32, order="token_major", tp_size=2, num_blocks=128)
+    model = dict(layers=2, heads=4, head_dim=64, order="cpu/vec", dtype="bfloat16")
+    p_shape = CacheShape(block_size=P_BLOCK, tp_size=1, num_blocks=-(-tokens // P_BLOCK) * 2 + 4, **model)
+    d_shape = CacheShape(block_size=D_BLOCK, tp_size=2, num_blocks=-(-tokens // D_BLOCK) * 2 + 4, **model)
     extra = {"backends": [backend]}
     procs: list[RankProcess] = []
     try:
@@ -25,12 +30,15 @@ def run(tokens: int, backend: str, out=print) -> bool:
         procs.append(prod)
         cons = [RankProcess(RankSpec("consumer", "decode-0", r, d_shape, extra)) for r in range(2)]
         procs += cons
-        out(f"started prefill-0 (TP1, block 16, head-major) pid {prod.pid}, side channel :{prod.port}")
-        out(f"started decode-0 (TP2, block 32, token-major) pids {[c.pid for c in cons]}")
+        out(f"started prefill-0 (TP1, block {P_BLOCK}) pid {prod.pid}, side channel :{prod.port}")
+        out(f"started decode-0 (TP2, block {D_BLOCK}) pids {[c.pid for c in cons]}")
+        out(f"prefill layout: {prod.call('layout')}")
+        out(f"decode layout (rank 0): {cons[0].call('layout')}")
         ok = True
         for n, (req, d_first) in enumerate([("req-a", True), ("req-b", False)]):
-            p_blocks = list(range(10 + n * 40, 10 + n * 40 + -(-tokens // 16)))
-            d_blocks = list(range(70 - n * 30, 70 - n * 30 + -(-tokens // 32)))[::-1]  # any order works
+            p_need, d_need = -(-tokens // P_BLOCK), -(-tokens // D_BLOCK)
+            p_blocks = list(range(2 + n * p_need, 2 + (n + 1) * p_need))
+            d_blocks = list(range(2 + n * d_need, 2 + (n + 1) * d_need))[::-1]  # any order works
             ok &= _one(req, tokens, prod, cons, p_blocks, d_blocks, d_first, out)
         out(_metric_lines(prod.call("metrics"), "kvferry_transfer_bytes_total", "kvferry_descriptors_per"))
         return ok
@@ -82,5 +90,5 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="UCX", choices=["UCX", "LIBFABRIC"], help="NIXL backend")
     args = parser.parse_args(argv)
     ok = run(args.tokens, args.backend)
-    print("DEMO OK: decode KV equals prefill KV for every token, layer and head" if ok else "DEMO FAILED")
+    print("DEMO OK: decode KV equals prefill KV for every element of every layer" if ok else "DEMO FAILED")
     return 0 if ok else 1

@@ -143,6 +143,8 @@ def _handle(ep: Any, kv: Any, op: str, args: tuple) -> Any:
         records = [dataclasses.asdict(r) for r in list(ep.recent)]
         ep.recent.clear()
         return records
+    if op == "layout":
+        return kv.layout.describe()
     if op == "metrics":
         from prometheus_client import generate_latest
 
