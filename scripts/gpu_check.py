@@ -2,6 +2,7 @@
 """GPU check: kvferry P/D on one CUDA device against a single vLLM, in one command, no network.
 
     python scripts/gpu_check.py [--quick] [--out results.json] [--backend UCX] [--enforce-eager]
+                                [--kv-buffer-devices cuda,cpu]
 
 Prints `SKIP: <reason>` and exits 0 on a machine without a usable CUDA device. What it runs, what
 it reports and its exit status: scripts/gpucheck/__init__.py (also the --help text); the code is

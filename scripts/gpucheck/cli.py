@@ -11,7 +11,7 @@ from pathlib import Path
 from kvferry.connector.serve import SERVER_MODULE
 
 from . import __doc__ as DESCRIPTION
-from .cases import Case, groups, matrix, parse_ints, parse_pairs
+from .cases import KV_BUFFER_DEVICES, Case, groups, matrix, parse_choices, parse_ints, parse_pairs
 from .command import ATTENTION_ENV, CLI_MODULE, KV_LAYOUT_ENV, server_command
 from .launch import Group
 from .probe import installed_dists, skip_reason
@@ -52,6 +52,14 @@ def _matrix_flags(p: argparse.ArgumentParser) -> None:
         default=list(KV_CACHE_DTYPES),
         metavar="DTYPE",
         help="--kv-cache-dtype values",
+    )
+    p.add_argument(
+        "--kv-buffer-devices",
+        default="cuda",
+        metavar="DEV,...",
+        help="kv_transfer_config.kv_buffer_device of P and D, one more matrix dimension "
+        f"({', '.join(KV_BUFFER_DEVICES)}; cuda,cpu runs every case both ways): cuda: NIXL registers "
+        "the GPU cache; cpu: host staging for nodes without GPUDirect RDMA",
     )
     p.add_argument("--block-pairs", default=BLOCK_PAIRS, metavar="P:D,...", help="prefill:decode block sizes")
     p.add_argument(
@@ -161,6 +169,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     try:
         args.pairs = parse_pairs(args.block_pairs)
         args.lengths_list = parse_ints(args.lengths)
+        args.buffer_devices = parse_choices(args.kv_buffer_devices, KV_BUFFER_DEVICES, "--kv-buffer-devices")
     except ValueError as exc:
         parser.error(str(exc))
     longest = max([*args.lengths_list, args.burst_len if args.burst else 0])
@@ -179,10 +188,13 @@ def dry_run(args: argparse.Namespace, cases: list[Case]) -> int:
     launcher = "cli" if args.launcher == "auto" else args.launcher
     via = "flag" if args.attention_via == "auto" else args.attention_via
     env = {"attention_via": via, "launcher": launcher, "log_config": None, "workdir": "<workdir>"}
-    for (attention, kv_dtype), members in groups(cases).items():
-        group = Group(attention, kv_dtype, model, args, env)
-        print(f"== {attention}, kv-cache-dtype {kv_dtype}")
-        roles = [("single", members[0].p_block)]
+    referenced: set[tuple[str, str]] = set()  # the single server runs once per (backend, dtype)
+    for key, members in groups(cases).items():
+        attention, kv_dtype, buffer = key
+        group = Group(key, model, args, env)
+        print(f"== {attention}, kv-cache-dtype {kv_dtype}, kv buffer {buffer}")
+        roles = [] if (attention, kv_dtype) in referenced else [("single", members[0].p_block)]
+        referenced.add((attention, kv_dtype))
         roles += sorted({("prefill", c.p_block) for c in members})
         roles += sorted({("decode", c.d_block) for c in members})
         for role, block in roles:
@@ -196,7 +208,7 @@ def dry_run(args: argparse.Namespace, cases: list[Case]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cases = matrix(args.attention, args.kv_cache_dtypes, args.pairs, args.quick)
+    cases = matrix(args.attention, args.kv_cache_dtypes, args.pairs, args.quick, args.buffer_devices)
     if args.dry_run:
         return dry_run(args, cases)
     dists = installed_dists()

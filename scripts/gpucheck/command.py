@@ -24,7 +24,8 @@ LAUNCHER_MODULES = {"cli": (CLI_MODULE, "serve"), "module": (SERVER_MODULE,)}
 
 @dataclass(frozen=True)
 class GpuServerSpec:
-    """One vLLM server on the GPU: role in the pair, attention backend, KV dtype and block size."""
+    """One vLLM server on the GPU: role in the pair, attention backend, KV dtype, block size and (P/D)
+    the KV buffer device of its kv-transfer-config."""
 
     model: Path
     port: int
@@ -32,6 +33,7 @@ class GpuServerSpec:
     attention: str
     kv_dtype: str
     block_size: int
+    kv_buffer_device: str = "cuda"  # cpu: the connector stages the GPU cache through host twins
     engine_id: str | None = None
     side_port: int | None = None
     nixl_backend: str = "UCX"
@@ -65,10 +67,11 @@ class GpuServerSpec:
 
 
 def gpu_kv_transfer_config(spec: GpuServerSpec) -> dict[str, Any] | None:
-    """serve.py's --kv-transfer-config for the role, with the KV buffer on the GPU."""
+    """serve.py's --kv-transfer-config for the role, with the spec's KV buffer device (cuda: NIXL
+    registers the GPU cache itself; cpu: host twins of it, copied device<->host per block)."""
     config = kv_transfer_config(spec.server_spec())
     if config is not None:
-        config["kv_buffer_device"] = "cuda"
+        config["kv_buffer_device"] = spec.kv_buffer_device
     return config
 
 

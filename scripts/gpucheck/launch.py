@@ -1,5 +1,5 @@
-"""The servers of a (backend, dtype) group: started one at a time on first use, stopped by PID
-together, and the layout lines they logged."""
+"""The servers of a (backend, dtype, KV buffer device) group: started one at a time on first use,
+stopped by PID together, and the layout lines they logged (and whether they staged through host)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from .command import HOST, GpuServerSpec, server_command, server_env
 VLLM_LOG_RE = re.compile(r"KV cache layout|Using \S+ backend|attention backend", re.IGNORECASE)
 NOISE_RE = re.compile(r"kv_transfer_config|KVTransferConfig|non-default args", re.IGNORECASE)
 LINE_CHARS = 300
+STAGED = "staged through host memory"  # the worker's layout line ends so when it stages (worker.py)
 
 
 class GpuServer(VllmProcess):
@@ -44,15 +45,21 @@ class StartError(RuntimeError):
 
 
 class Group:
-    """The servers of one (backend, dtype) group: started on first use, stopped together."""
+    """The servers of one (backend, dtype, KV buffer device) group: started on first use, stopped
+    together. The buffer device only reaches P and D (the single server has no connector)."""
 
     def __init__(
-        self, attention: str, kv_dtype: str, model: Path, args: argparse.Namespace, env: dict[str, Any]
+        self,
+        key: tuple[str, str, str],
+        model: Path,
+        args: argparse.Namespace,
+        env: dict[str, Any],
     ) -> None:
-        self.attention, self.kv_dtype, self.model, self.args, self.env = attention, kv_dtype, model, args, env
+        self.attention, self.kv_dtype, self.kv_buffer_device = key
+        self.model, self.args, self.env = model, args, env
         self.servers: dict[tuple[str, int], GpuServer] = {}
         self.failed: dict[tuple[str, int], str] = {}
-        self.tag = f"{attention.lower()}-{kv_dtype}"
+        self.tag = f"{self.attention.lower()}-{self.kv_dtype}-buf{self.kv_buffer_device}"
 
     def spec(self, role: str, block: int) -> GpuServerSpec:
         connector = role != "single"
@@ -63,6 +70,7 @@ class Group:
             attention=self.attention,
             kv_dtype=self.kv_dtype,
             block_size=block,
+            kv_buffer_device=self.kv_buffer_device,
             engine_id=f"gpucheck-{role}-{block}-{uuid.uuid4().hex[:6]}" if connector else None,
             side_port=free_port(HOST) if connector else None,
             nixl_backend=self.args.backend,
@@ -127,3 +135,10 @@ def layout_lines(text: str, limit: int = 4) -> list[str]:
     chosen = [ln for ln in kvferry if "layout" in ln.lower()] or kvferry
     vllm = [ln for ln in lines if VLLM_LOG_RE.search(ln) and ln not in chosen]
     return chosen[:limit] + vllm[:limit]
+
+
+def staged(text: str) -> bool | None:
+    """Whether the connector's layout line (`kvferry <role> rank N: KV layout ...`) says it stages
+    through host memory; None when the log has no such line."""
+    lines = [ln for ln in text.splitlines() if "kvferry" in ln and "KV layout" in ln]
+    return any(STAGED in ln for ln in lines) if lines else None

@@ -71,6 +71,17 @@ def _print_burst(b: dict[str, Any]) -> None:
     )
 
 
+def _staged(value: bool | None, unknown: str = "unknown") -> str:
+    return unknown if value is None else ("yes" if value else "no")
+
+
+def print_staging(r: CaseResult) -> None:
+    """Whether each server's kvferry layout line says `staged through host memory`."""
+    if r.staged:
+        roles = ", ".join(f"{role} {_staged(v)}" for role, v in r.staged.items())
+        print(f"  staged through host memory (kv_buffer_device {r.kv_buffer_device}): {roles}")
+
+
 def print_case(r: CaseResult) -> None:
     ties = f" (+{r.ties} near-tie)" if r.ties else ""
     print(f"[{r.case}] {'ok' if r.ok else 'FAIL'}: outputs {r.equal}/{r.total} equal{ties}")
@@ -78,6 +89,7 @@ def print_case(r: CaseResult) -> None:
         _print_sequential(r.sequential)
     if r.burst:
         _print_burst(r.burst)
+    print_staging(r)
     for role, lines in r.layout.items():
         for line in lines or ["(no kvferry or layout lines in the log)"]:
             print(f"  layout {role}: {line}")
@@ -92,14 +104,17 @@ def print_case(r: CaseResult) -> None:
 
 def print_summary(results: list[CaseResult]) -> None:
     print("\n== summary")
-    print(f"{'case':<34} {'outputs':>8} {'KV':>10} {'WRITE mean/p99 ms':>18} {'burst GB/s':>11}  result")
+    header = f"{'case':<40} {'outputs':>8} {'KV':>10} {'WRITE mean/p99 ms':>18} {'burst GB/s':>11}"
+    print(f"{header} {'staged P/D':>10}  result")
     for r in results:
         s, b = r.sequential, r.burst
         kv = _mb(s["kv_bytes"]) if s else "-"
         lat = f"{_fmt(s.get('write_mean_ms'))}/{_fmt(s.get('write_p99_ms'))}" if s else "-"
         gbps = _fmt(b.get("wall_gbps"), ".3f") if b else "-"
         outputs = f"{r.equal}/{r.total}"
-        print(f"{r.case:<34} {outputs:>8} {kv:>10} {lat:>18} {gbps:>11}  {'ok' if r.ok else 'FAIL'}")
+        staged = "/".join(_staged(r.staged.get(k), "?") for k in ("prefill", "decode")) if r.staged else "-"
+        row = f"{r.case:<40} {outputs:>8} {kv:>10} {lat:>18} {gbps:>11} {staged:>10}"
+        print(f"{row}  {'ok' if r.ok else 'FAIL'}")
 
 
 def write_json(

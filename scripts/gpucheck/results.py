@@ -17,6 +17,7 @@ class CaseResult:
     kv_dtype: str
     p_block: int
     d_block: int
+    kv_buffer_device: str = "cuda"
     equal: int = 0
     ties: int = 0
     total: int = 0
@@ -26,6 +27,7 @@ class CaseResult:
     sequential: dict[str, Any] = field(default_factory=dict)
     burst: dict[str, Any] = field(default_factory=dict)
     layout: dict[str, list[str]] = field(default_factory=dict)
+    staged: dict[str, bool | None] = field(default_factory=dict)  # role -> layout line says staged
     logs: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -39,7 +41,9 @@ class CaseResult:
 
 
 def new_result(case: Case) -> CaseResult:
-    return CaseResult(case.name, case.attention, case.kv_dtype, case.p_block, case.d_block)
+    return CaseResult(
+        case.name, case.attention, case.kv_dtype, case.p_block, case.d_block, case.kv_buffer_device
+    )
 
 
 def score_answers(result: CaseResult, answers: dict[str, Any], reference: dict, tie: float) -> int:
@@ -82,3 +86,13 @@ def case_checks(result: CaseResult, stats: dict[str, Any], pairs: int, lengths: 
         )
     if stats["rejected"]:
         result.warnings.append(f"{what}: rejected messages {stats['rejected']}")
+
+
+def staging_checks(result: CaseResult) -> None:
+    """A warning when a server's layout line disagrees with its KV buffer device: on a GPU, cpu
+    should stage through host memory and cuda should not (None: no layout line, nothing to say)."""
+    want = result.kv_buffer_device == "cpu"
+    for role, staged in result.staged.items():
+        if staged is not None and staged != want:
+            how = "stages through host memory" if staged else "does not stage through host memory"
+            result.warnings.append(f"{role} {how} with kv_buffer_device {result.kv_buffer_device}")

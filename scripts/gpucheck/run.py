@@ -1,5 +1,6 @@
-"""Running the check on a GPU: per (backend, dtype) group the single server's reference outputs, then
-per case the P/D pairs one after the other and in a burst, checked against /metrics."""
+"""Running the check on a GPU: per (backend, dtype) the single server's reference outputs (shared by
+that pair's KV buffer devices), then per (backend, dtype, buffer device) group and case the P/D pairs
+one after the other and in a burst, checked against /metrics."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ from typing import Any
 
 from .cases import Case, groups
 from .command import ATTENTION_ENV, logging_config
-from .launch import GpuServer, Group, StartError, layout_lines, read_log
+from .launch import GpuServer, Group, StartError, layout_lines, read_log, staged
 from .metrics import transfer_stats, wait_for_counts
 from .model import build_model, model_shape
 from .probe import detect_attention_via, versions
 from .report import print_case, print_environment, print_summary, write_json
-from .results import CaseResult, case_checks, new_result, score_answers
+from .results import CaseResult, case_checks, new_result, score_answers, staging_checks
 from .traffic import completion_body, pd_burst, pd_sequence, reference_outputs, token_prompt
 
 Scrapes = tuple[dict[str, float], dict[str, float]]
@@ -103,20 +104,31 @@ def _pair_case(
     except Exception as exc:  # a scrape or client failure ends this case, not the run
         result.errors.append(f"{type(exc).__name__}: {exc}")
     for role, server in (("prefill", p), ("decode", d)):
-        result.layout[role] = layout_lines(read_log(server))
+        text = read_log(server)
+        result.layout[role] = layout_lines(text)
+        result.staged[role] = staged(text)
         result.logs[role] = str(server.log_path)
+    staging_checks(result)
     print_case(result)
     return result
 
 
-def run_group(cases: list[Case], model: Path, args: argparse.Namespace, env: dict) -> list[CaseResult]:
-    attention, kv_dtype = cases[0].group
-    group = Group(attention, kv_dtype, model, args, env)
+def run_group(
+    cases: list[Case], model: Path, args: argparse.Namespace, env: dict, references: dict | None = None
+) -> list[CaseResult]:
+    """One group's cases; references caches the single server's outputs per (backend, dtype)."""
+    attention, kv_dtype, buffer = cases[0].group
+    group = Group(cases[0].group, model, args, env)
     prompts = {f"len{n}": token_prompt(n) for n in args.lengths_list}
-    print(f"\n== {attention}, kv-cache-dtype {kv_dtype}: {len(cases)} case(s)", flush=True)
+    references = {} if references is None else references
+    print(
+        f"\n== {attention}, kv-cache-dtype {kv_dtype}, kv buffer {buffer}: {len(cases)} case(s)", flush=True
+    )
     try:
         try:
-            reference = _reference(group, cases[0].p_block, prompts, args)
+            if (attention, kv_dtype) not in references:
+                references[attention, kv_dtype] = _reference(group, cases[0].p_block, prompts, args)
+            reference = references[attention, kv_dtype]
         except Exception as exc:  # start-up, HTTP or client failure: every case of the group fails
             failed = {c: new_result(c) for c in cases}
             for r in failed.values():
@@ -163,8 +175,9 @@ def run(args: argparse.Namespace, cases: list[Case], dists: dict[str, str]) -> i
     launcher, via = _launch_mode(args, dists)
     env = {"attention_via": via, "launcher": launcher, "log_config": log_config, "workdir": workdir}
     results: list[CaseResult] = []
+    references: dict = {}  # the single server's outputs do not depend on the KV buffer device
     for members in groups(cases).values():
-        results += run_group(members, model, args, env)
+        results += run_group(members, model, args, env, references)
     print_summary(results)
     passed = all(r.ok for r in results)
     elapsed = time.monotonic() - t_start

@@ -1,7 +1,7 @@
 """scripts/gpu_check.py: SKIP (exit 0) without a CUDA device, and the pure parts of its package
 scripts/gpucheck: the case matrix, server commands and environments per role, the kvferry request
-pair, output comparison, histogram deltas and quantiles from /metrics, tinymodel shape options, and
-the log lines it reports."""
+pair, output comparison, histogram deltas and quantiles from /metrics, tinymodel shape options, the
+KV buffer device dimension (host staging), and the log lines it reports."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from scripts.gpucheck.cases import groups, matrix, parse_pairs
-from scripts.gpucheck.cli import build_parser, main, parse_args
+from scripts.gpucheck.cli import build_parser, dry_run, main, parse_args
 from scripts.gpucheck.command import (
     GpuServerSpec,
     gpu_kv_transfer_config,
@@ -25,11 +25,12 @@ from scripts.gpucheck.command import (
     server_command,
     server_env,
 )
-from scripts.gpucheck.launch import layout_lines
+from scripts.gpucheck.launch import Group, layout_lines, staged
 from scripts.gpucheck.metrics import hist_delta, hist_quantile, transfer_stats
 from scripts.gpucheck.model import shape_overrides
 from scripts.gpucheck.probe import attention_via_from_help, cuda_mismatch, stack_problems
-from scripts.gpucheck.results import CaseResult, case_checks
+from scripts.gpucheck.report import print_case, print_summary
+from scripts.gpucheck.results import CaseResult, case_checks, new_result, staging_checks
 from scripts.gpucheck.traffic import compare, completion_body, pd_legs, token_prompt, top2_gaps
 
 SCRIPT = Path(__file__).parents[3] / "scripts" / "gpu_check.py"
@@ -72,13 +73,20 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         assert action.help, action.option_strings
         for option in action.option_strings:
             assert option in text
-    for flag in ("--quick", "--out", "--backend", "--enforce-eager"):
+    for flag in ("--quick", "--out", "--backend", "--enforce-eager", "--kv-buffer-devices"):
         assert flag in text
+    assert "host staging for nodes without GPUDirect RDMA" in " ".join(text.split())
     assert "SKIP: <reason>" in text
 
 
 def test_bad_arguments_exit_2() -> None:
-    for argv in (["--block-pairs", "16-32"], ["--lengths", "5,3000"], ["--gpu-memory-utilization", "1.5"]):
+    for argv in (
+        ["--block-pairs", "16-32"],
+        ["--lengths", "5,3000"],
+        ["--gpu-memory-utilization", "1.5"],
+        ["--kv-buffer-devices", "cuda,gpu"],
+        ["--kv-buffer-devices", ","],
+    ):
         with pytest.raises(SystemExit) as exit_:
             parse_args(argv)
         assert exit_.value.code == 2
@@ -88,9 +96,10 @@ def test_matrix_is_backends_by_dtypes_by_block_pairs_and_quick_is_one_case() -> 
     pairs = parse_pairs("16:16,16:32")
     cases = matrix(["FLASH_ATTN", "FLASHINFER"], ["auto", "fp8"], pairs)
     assert len(cases) == 8 and len(groups(cases)) == 4
-    assert cases[1].name == "FLASH_ATTN/kv=auto/P16-D32"
+    assert cases[1].name == "FLASH_ATTN/kv=auto/buf=cuda/P16-D32"
+    assert {c.kv_buffer_device for c in cases} == {"cuda"}  # the default: the KV buffer on the GPU
     assert [c.name for c in matrix(["FLASH_ATTN"], ["auto"], pairs, quick=True)] == [
-        "FLASH_ATTN/kv=auto/P16-D16"
+        "FLASH_ATTN/kv=auto/buf=cuda/P16-D16"
     ]
     with pytest.raises(ValueError, match="is not P:D"):
         parse_pairs("16")
@@ -282,4 +291,74 @@ def test_dry_run_prints_every_server_command_without_a_gpu(capsys: pytest.Captur
     out = capsys.readouterr().out
     assert out.count("/models/tiny") == 3  # single, prefill, decode
     assert '"kv_role": "kv_producer"' in out and '"kv_role": "kv_consumer"' in out
-    assert "case FLASH_ATTN/kv=auto/P16-D16" in out
+    assert "case FLASH_ATTN/kv=auto/buf=cuda/P16-D16" in out
+
+
+def test_kv_buffer_devices_are_a_matrix_dimension_shared_by_p_and_d_of_a_case() -> None:
+    args = parse_args(["--kv-buffer-devices", "cuda, CPU,cuda"])
+    assert args.buffer_devices == ["cuda", "cpu"]  # order kept, repeats dropped
+    assert parse_args([]).buffer_devices == ["cuda"]
+    pairs = parse_pairs("16:16,16:32")
+    cases = matrix(["FLASH_ATTN", "FLASHINFER"], ["auto", "fp8"], pairs, buffer_devices=args.buffer_devices)
+    assert len(cases) == 16 and len(groups(cases)) == 8
+    assert [c.name for c in cases[:4]] == [
+        "FLASH_ATTN/kv=auto/buf=cuda/P16-D16",
+        "FLASH_ATTN/kv=auto/buf=cuda/P16-D32",
+        "FLASH_ATTN/kv=auto/buf=cpu/P16-D16",
+        "FLASH_ATTN/kv=auto/buf=cpu/P16-D32",
+    ]
+    assert len({c.name for c in cases}) == 16
+    for key, members in groups(cases).items():
+        assert {c.kv_buffer_device for c in members} == {key[2]}  # one setting per group's P and D
+    quick = matrix(["FLASH_ATTN"], ["auto"], pairs, quick=True, buffer_devices=["cpu", "cuda"])
+    assert [c.name for c in quick] == ["FLASH_ATTN/kv=auto/buf=cpu/P16-D16"]
+    result = new_result(cases[2])
+    assert result.case == cases[2].name and result.kv_buffer_device == "cpu"
+
+
+def test_the_group_buffer_device_reaches_the_kv_transfer_config_of_p_and_d() -> None:
+    assert gpu_kv_transfer_config(spec())["kv_buffer_device"] == "cuda"  # type: ignore[index]
+    config = gpu_kv_transfer_config(spec(role="decode", kv_buffer_device="cpu"))
+    assert config is not None and config["kv_buffer_device"] == "cpu" and config["kv_role"] == "kv_consumer"
+    args = parse_args(["--kv-buffer-devices", "cpu"])
+    env = {"attention_via": "flag", "launcher": "cli", "log_config": None, "workdir": "/w"}
+    group = Group(("FLASH_ATTN", "auto", "cpu"), Path("/m"), args, env)
+    assert "bufcpu" in group.tag  # its logs do not overwrite the cuda group's
+    for role in ("prefill", "decode"):
+        cmd = server_command(group.spec(role, 16), python="py")
+        config = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+        assert config["kv_buffer_device"] == "cpu"
+    assert "--kv-transfer-config" not in server_command(group.spec("single", 16), python="py")
+
+
+def test_dry_run_shows_both_buffer_devices_and_one_single_server(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse_args(
+        ["--kv-buffer-devices", "cuda,cpu", "--model", "/models/tiny", "--block-pairs", "16:16"]
+    )
+    cases = matrix(["FLASH_ATTN"], ["auto"], args.pairs, buffer_devices=args.buffer_devices)
+    assert dry_run(args, cases) == 0
+    out = capsys.readouterr().out
+    assert out.count("single16:") == 1  # the reference is shared by the buffer devices
+    assert out.count('"kv_buffer_device": "cuda"') == 2 and out.count('"kv_buffer_device": "cpu"') == 2
+    assert "case FLASH_ATTN/kv=auto/buf=cpu/P16-D16" in out
+
+
+def test_staging_is_read_from_the_layout_line_and_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    line = "INFO [kvferry.connector.worker] kvferry producer rank 0: KV layout token-major"
+    assert staged(f"{line}; staged through host memory; side channel 127.0.0.1:5600\n") is True
+    assert staged(f"{line}; side channel 127.0.0.1:5600\n") is False
+    assert staged("INFO [vllm] Using FLASH_ATTN backend.\n") is None
+    case = matrix(["FLASH_ATTN"], ["auto"], [(16, 16)], buffer_devices=["cpu"])[0]
+    result = new_result(case)
+    result.staged = {"prefill": True, "decode": False}
+    staging_checks(result)
+    assert result.warnings == ["decode does not stage through host memory with kv_buffer_device cpu"]
+    result.staged["decode"] = None  # no layout line: nothing to check
+    result.warnings.clear()
+    staging_checks(result)
+    assert not result.warnings
+    print_case(result)
+    print_summary([result])
+    out = capsys.readouterr().out
+    assert "staged through host memory (kv_buffer_device cpu): prefill yes, decode unknown" in out
+    assert "FLASH_ATTN/kv=auto/buf=cpu/P16-D16" in out and "yes/?" in out
