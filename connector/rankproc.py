@@ -44,6 +44,14 @@ class RankProcess:
         child.close()
         self.port = self._reply(start_timeout_s)
 
+    def reset(self, spec: RankSpec, timeout_s: float = 60.0) -> int:
+        """Replace the child's cache and endpoint with new ones for `spec` (same process: heavy
+        imports such as vLLM's are paid once); returns the new side-channel port."""
+        self.spec = spec
+        self.conn.send(("reset", (spec,)))
+        self.port = self._reply(timeout_s)
+        return self.port
+
     @property
     def pid(self) -> int:
         assert self.proc.pid is not None
@@ -85,28 +93,25 @@ class RankProcess:
 
 
 def _child_main(conn: Any, spec: RankSpec) -> None:
-    from kvferry.connector.endpoint import Endpoint
-
-    kv = host_kv(spec.shape, spec.tp_rank)
-    cfg = KvferryConfig.from_extra({"backends": ["UCX"], "side_channel_port": 0, **spec.extra})
-    try:
-        ep = Endpoint(
-            cfg,
-            role=spec.role,
-            engine_id=spec.engine_id,
-            tp_rank=spec.tp_rank,
-            tp_size=spec.shape.tp_size,
-            layout=kv.layout,
-        ).start()
-    except Exception as exc:
-        conn.send(("error", f"start failed: {exc}"))
-        return
-    conn.send(("ok", ep.side_port))
+    ep = None
     try:
         while True:
+            if spec is not None:  # (re)start: a fresh cache and endpoint for this spec
+                if ep is not None:
+                    ep.close()
+                try:
+                    kv, ep = _start(spec)
+                except Exception as exc:
+                    conn.send(("error", f"start failed: {exc}"))
+                    return
+                conn.send(("ok", ep.side_port))
+                spec = None
             op, args = conn.recv()
             if op == "stop":
                 break
+            if op == "reset":
+                spec = args[0]
+                continue
             try:
                 conn.send(("ok", _handle(ep, kv, op, args)))
             except Exception:
@@ -114,7 +119,24 @@ def _child_main(conn: Any, spec: RankSpec) -> None:
     except (EOFError, KeyboardInterrupt):
         pass
     finally:
-        ep.close()
+        if ep is not None:
+            ep.close()
+
+
+def _start(spec: RankSpec) -> tuple[Any, Any]:
+    from kvferry.connector.endpoint import Endpoint
+
+    kv = host_kv(spec.shape, spec.tp_rank)
+    cfg = KvferryConfig.from_extra({"backends": ["UCX"], "side_channel_port": 0, **spec.extra})
+    ep = Endpoint(
+        cfg,
+        role=spec.role,
+        engine_id=spec.engine_id,
+        tp_rank=spec.tp_rank,
+        tp_size=spec.shape.tp_size,
+        layout=kv.layout,
+    ).start()
+    return kv, ep
 
 
 def _handle(ep: Any, kv: Any, op: str, args: tuple) -> Any:

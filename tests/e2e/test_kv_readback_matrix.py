@@ -62,7 +62,9 @@ if os.environ.get("KVFERRY_MATRIX") == "full":
 
 @pytest.fixture(scope="module", params=list(CASES.values()), ids=list(CASES))
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """Reference (decode's block size), P on core 0 and D on core 1, started together; stopped by PID."""
+    """P on core 0 and D on core 1, started together; stopped by PID. The single-instance reference is
+    D itself, asked before any P/D request and without kv_transfer_params: it computes the whole
+    prompt locally with the same block size and kernels (one server fewer per case)."""
     name, p_block, d_block, *staged = request.param
     arch, shape = SHAPES[name]
     model = ensure(arch, shape)
@@ -72,8 +74,6 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     extra = {"backends": ["UCX"], "deadline_s": 60.0, "kv_dump_dir": str(dumps), "host_staging": bool(staged)}
 
     def spec(role: str, block: int, cores: str) -> ServerSpec:
-        if role == "single":
-            return ServerSpec(model=model, port=free_port(), cores=cores, block_size=block, dtype=shape.dtype)
         return ServerSpec(
             model=model,
             port=free_port(),
@@ -88,7 +88,6 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         )
 
     servers = {
-        "single": VllmProcess(spec("single", d_block, "0-1"), work / "single.log"),
         "prefill": VllmProcess(spec("prefill", p_block, "0"), work / "prefill.log"),
         "decode": VllmProcess(spec("decode", d_block, "1"), work / "decode.log"),
     }
@@ -134,7 +133,7 @@ async def _pd(stack: dict, n: int) -> tuple[str, list[int]]:
 
 
 def test_decode_cache_equals_prefill_cache_and_outputs_equal_single(stack, capsys):
-    reference = _reference(stack["single"].url)
+    reference = _reference(stack["decode"].url)  # before any P/D request: nothing transferred yet
     before = stack["decode"].metrics()
     compared, parted = 0, []
     for n in LENGTHS:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.nixl.helpers import Procs
+from tests.nixl.helpers import ProcPool, Procs
 
 
 @pytest.fixture
@@ -17,3 +17,22 @@ def procs() -> Iterator[Procs]:
     finally:
         for proc in p.all:
             proc.stop()
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ProcPool]:
+    p = ProcPool()
+    try:
+        yield p
+    finally:
+        for proc in p.all:
+            proc.stop()
+
+
+@pytest.fixture
+def pooled(pool: ProcPool) -> Iterator[ProcPool]:
+    """Processes from the module's pool; all of them are free again after the test."""
+    try:
+        yield pool
+    finally:
+        pool.release()

@@ -37,6 +37,39 @@ class Procs:
         return started
 
 
+class ProcPool(Procs):
+    """Rank processes reused across tests (reset to each new spec): for caches whose setup imports
+    vLLM (~10 s a process), so a test pays only for its cache and endpoint. Idle processes are reset;
+    one that does not answer is replaced by a fresh process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.idle: list[RankProcess] = []
+
+    def start(self, role: str, engine: str, shape: CacheShape, ranks: int = 1, **extra) -> list[RankProcess]:
+        if ranks > 1 and "side_channel_port" not in extra:
+            extra["side_channel_port"] = free_port_pair()
+        out = []
+        for r in range(ranks):
+            spec = RankSpec(role, engine, r, shape, {**FAST, **extra})
+            proc = self.idle.pop() if self.idle else None
+            try:
+                if proc is not None:
+                    proc.reset(spec)
+            except (RuntimeError, TimeoutError, OSError):
+                proc.stop()
+                self.all.remove(proc)
+                proc = None
+            if proc is None:
+                proc = RankProcess(spec)
+                self.all.append(proc)
+            out.append(proc)
+        return out
+
+    def release(self) -> None:
+        self.idle = [p for p in self.all if p.proc.is_alive()]
+
+
 def expect_args(
     prod: RankProcess,
     blocks: list[int],

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from kvferry.connector.hostkv import CacheShape
+from kvferry.connector.promtext import metric_sum, parse_metrics
 
 from tests.nixl.helpers import expect_args
 
@@ -81,14 +82,18 @@ def test_block_ids_out_of_range_fail_the_write_not_the_process(procs):
     assert_still_works(prod, cons)
 
 
-def test_layouts_that_cannot_be_mapped_fail_with_a_reason(procs):
+def test_layouts_that_cannot_be_mapped_are_refused_before_any_write(procs):
+    """D checks P's layout before registering: no registration, no WRITE, a reason on both counts."""
     (prod,) = procs.start("producer", "prefill-0", SHAPE)
     (cons,) = procs.start("consumer", "decode-0", CacheShape(block_size=16, head_dim=32))
     cons.call("expect", "r", 0, expect_args(prod, BLOCKS, 40, deadline_s=30.0))
     prod.call("finish", "r", 0, BLOCKS, 40, "decode-0")
-    assert failed_within(cons, 5.0)[0] == [(("r", 0), "write_failed")]
-    metric = 'kvferry_transfer_failures_total{reason="write_failed",role="producer"} 1.0'
-    assert metric in prod.call("metrics")
+    assert failed_within(cons, 5.0)[0] == [(("r", 0), "layout_mismatch")]
+    metric = 'kvferry_transfer_failures_total{reason="layout_mismatch",role="consumer"} 1.0'
+    assert metric in cons.call("metrics")
+    assert cons.call("mismatches", BLOCKS, 40) > 0  # nothing was written into the consumer's blocks
+    assert prod.call("results", 10.0, 1)["released"] == [(("r", 0), "lease_expired")]  # never registered
+    assert metric_sum(parse_metrics(prod.call("metrics")), "kvferry_transfer_bytes_total") == 0
 
 
 def test_producer_killed_turns_into_a_deadline_failure(procs):

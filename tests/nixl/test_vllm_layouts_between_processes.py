@@ -4,15 +4,13 @@ views in every layer/block order; FLASHINFER shares that split), bf16/fp16/fp8/f
 block sizes and TP on each side, GPU-layout producer to CPU-layout consumer and back.
 
 Each consumer compares what arrived value by value through its own measured layout, and its whole
-pages byte by byte with what its own vLLM write of the same KV stores (connector/vllmkv.py). A
-pair whose layouts cannot be mapped is refused before any WRITE, with both layouts named.
+pages byte by byte with what its own vLLM write of the same KV stores (connector/vllmkv.py).
 """
 
 from __future__ import annotations
 
 import pytest
 from kvferry.connector.hostkv import CacheShape
-from kvferry.connector.promtext import metric_sum, parse_metrics
 
 from tests.nixl.helpers import expect_args
 
@@ -65,9 +63,9 @@ def blocks_for(tokens: int, block_size: int, first: int, reverse: bool = False) 
 
 
 @pytest.mark.parametrize(("p_shape", "d_shape", "tokens"), CASES.values(), ids=CASES.keys())
-def test_vllm_written_kv_lands_exactly_through_each_sides_own_layout(procs, p_shape, d_shape, tokens):
-    prods = procs.start("producer", "prefill-0", p_shape, ranks=p_shape.tp_size)
-    cons = procs.start("consumer", "decode-0", d_shape, ranks=d_shape.tp_size)
+def test_vllm_written_kv_lands_exactly_through_each_sides_own_layout(pooled, p_shape, d_shape, tokens):
+    prods = pooled.start("producer", "prefill-0", p_shape, ranks=p_shape.tp_size)
+    cons = pooled.start("consumer", "decode-0", d_shape, ranks=d_shape.tp_size)
     p_blocks = blocks_for(tokens, p_shape.block_size, 2, reverse=True)
     d_blocks = blocks_for(tokens, d_shape.block_size, 1)
     for c in cons:
@@ -82,18 +80,3 @@ def test_vllm_written_kv_lands_exactly_through_each_sides_own_layout(procs, p_sh
     same = (p_shape.order, p_shape.block_size, p_shape.tp_size) == (d_shape.order, d_shape.block_size, 1)
     mode = "prepped" if same else "coalesced"
     assert f'kvferry_descriptors_per_transfer_count{{mode="{mode}"}}' in prods[0].call("metrics")
-
-
-def test_layouts_that_cannot_be_mapped_are_refused_before_any_write(procs):
-    (prod,) = procs.start("producer", "prefill-0", shape("cpu/vec", 32, "bfloat16"))
-    (cons,) = procs.start("consumer", "decode-0", shape("cpu/vec", 32, "float16"))
-    cons.call("expect", "r", 0, expect_args(prod, [1, 2], 40))
-    prod.call("finish", "r", 0, [3, 4], 40, "decode-0")
-    assert cons.call("results", 20.0, 1)["failed"] == [(("r", 0), "layout_mismatch")]
-    assert cons.call("mismatches", [1, 2], 40) > 0  # nothing was written into the consumer's blocks
-    assert 'kvferry_transfer_failures_total{reason="layout_mismatch",role="consumer"} 1.0' in cons.call(
-        "metrics"
-    )
-    assert (
-        metric_sum(parse_metrics(prod.call("metrics")), "kvferry_transfer_bytes_total") == 0
-    )  # P never wrote
