@@ -200,11 +200,17 @@ class VllmProcess:
     def url(self) -> str:
         return self.spec.url
 
+    def command_line(self) -> list[str]:
+        return command(self.spec)
+
+    def environment(self) -> dict[str, str]:
+        return server_env(self.spec)
+
     def start(self) -> VllmProcess:
         self._log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            command(self.spec),
-            env=server_env(self.spec),
+            self.command_line(),
+            env=self.environment(),
             stdout=self._log or subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # own process group: stop() reaches engine core and workers

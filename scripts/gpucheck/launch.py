@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -28,16 +27,11 @@ class GpuServer(VllmProcess):
         super().__init__(spec.server_spec(), log_path)
         self.gspec = spec
 
-    def start(self) -> GpuServer:
-        self._log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            server_command(self.gspec),
-            env=server_env(self.gspec),
-            stdout=self._log or subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: stop() reaches engine core and workers
-        )
-        return self
+    def command_line(self) -> list[str]:
+        return server_command(self.gspec)
+
+    def environment(self) -> dict[str, str]:
+        return server_env(self.gspec)
 
 
 class StartError(RuntimeError):

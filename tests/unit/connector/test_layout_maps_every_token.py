@@ -167,36 +167,20 @@ def test_unmappable_layouts_are_refused_naming_the_difference_and_both_layouts()
         check_compatible(bf16, fp16)
 
 
+def _fit(offsets, like):
+    return KVLayout.from_offsets(
+        offsets, block_stride=like.block_stride, bases=[4096], num_blocks=4, kind="x", dtype="float32",
+        head_offset=0, total_heads=2, elem_bytes=4,
+    )  # fmt: skip
+
+
 def test_offsets_that_are_not_separable_are_refused():
     good = make_layout("k_transposed", layers=1, num_blocks=4, block_size=4, heads=2, head_dim=2)
     off = good.block_offsets().copy()
-    assert (
-        KVLayout.from_offsets(
-            off,
-            block_stride=good.block_stride,
-            bases=[4096],
-            num_blocks=4,
-            kind="x",
-            dtype="float32",
-            head_offset=0,
-            total_heads=2,
-            elem_bytes=4,
-        ).signature()["planes"]
-        == good.signature()["planes"]
-    )
+    assert _fit(off, good).signature()["planes"] == good.signature()["planes"]
     off[1, 0, 2, 1], off[1, 0, 3, 1] = off[1, 0, 3, 1], off[1, 0, 2, 1]  # two V elements swapped
     with pytest.raises(LayoutError, match="cannot describe this packing"):
-        KVLayout.from_offsets(
-            off,
-            block_stride=good.block_stride,
-            bases=[4096],
-            num_blocks=4,
-            kind="x",
-            dtype="float32",
-            head_offset=0,
-            total_heads=2,
-            elem_bytes=4,
-        )
+        _fit(off, good)
 
 
 def test_overlapping_elements_are_refused():
