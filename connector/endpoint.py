@@ -25,13 +25,13 @@ from typing import Any
 
 from kvferry.connector import protocol as P
 from kvferry.connector.config import KvferryConfig
-from kvferry.connector.layout import KVLayout, LayoutError, check_compatible
+from kvferry.connector.layout import KVLayout, refusal
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.peers import Peers
 from kvferry.connector.preflight import backend_checks, efa_checks
 from kvferry.connector.preflight import record as record_checks
 from kvferry.connector.sidechannel import SideChannelServer
-from kvferry.connector.transport import NixlTransport, TransportError, WritePlan
+from kvferry.connector.transport import NixlTransport, WritePlan
 from kvferry.connector.wire import (
     Cancel,
     Done,
@@ -114,7 +114,8 @@ class Endpoint:
         core_args = dict(total_heads=layout.total_heads, rank=tp_rank, tp_size=tp_size, limits=limits)
         self.producer = P.ProducerCore(**core_args) if role == "producer" else None
         self.consumer = P.ConsumerCore(**core_args) if role == "consumer" else None
-        self._commands: queue.SimpleQueue[Callable[[float], list[P.Action]]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[Callable[[float], list[P.Action]], Key]] = queue.SimpleQueue()
+        self.dead: str = ""  # why the endpoint thread stopped serving ("" while it serves)
         self._wake, self._stop, self._ready = threading.Event(), threading.Event(), threading.Event()
         self._results, self._results_cv = Results(), threading.Condition()
         self._startup_error: BaseException | None = None
@@ -154,11 +155,13 @@ class Endpoint:
     ) -> None:
         key = (request_id, attempt)
         self._submit(
-            lambda now: self.producer.prefill_finished(key, block_ids, num_tokens, consumer_engine, now)
+            lambda now: self.producer.prefill_finished(key, block_ids, num_tokens, consumer_engine, now), key
         )
 
     def prefill_aborted(self, request_id: str, attempt: int) -> None:
-        self._submit(lambda now: self.producer.prefill_aborted((request_id, attempt), now))
+        self._submit(
+            lambda now: self.producer.prefill_aborted((request_id, attempt), now), (request_id, attempt)
+        )
 
     # ---- consumer API ----
     def expect(
@@ -181,10 +184,10 @@ class Endpoint:
             self._recv[key] = (producer_host, producer_port, block_ids, num_tokens)
             return self.consumer.expect(key, producer_engine, producer_tp, deadline, now)
 
-        self._submit(run)
+        self._submit(run, key)
 
     def abort(self, request_id: str, attempt: int) -> None:
-        self._submit(lambda now: self.consumer.abort((request_id, attempt), now))
+        self._submit(lambda now: self.consumer.abort((request_id, attempt), now), (request_id, attempt))
 
     def kick(self) -> None:
         """Run a round now (non-blocking; several kicks before the round make one round)."""
@@ -202,8 +205,8 @@ class Endpoint:
             self._results_cv.wait_for(lambda: bool(self._results), timeout=timeout_s)
         return self.take_results()
 
-    def _submit(self, command: Callable[[float], list[P.Action]]) -> None:
-        self._commands.put(command)
+    def _submit(self, command: Callable[[float], list[P.Action]], key: Key) -> None:
+        self._commands.put((command, key))
         self._wake.set()
 
     def _publish(self, fn: Callable[[Results], None]) -> None:
@@ -222,18 +225,22 @@ class Endpoint:
         self._ready.set()
         interval = self.cfg.poll_min_s
         try:
-            while not self._stop.is_set():
-                active = self._round()
-                cap = (
-                    min(self.cfg.poll_min_s * 8, self.cfg.poll_max_s) if self._busy() else self.cfg.poll_max_s
-                )
-                # A WRITE in flight is short and on the critical path: poll it at full rate.
-                fast = active or bool(self._writes)
-                interval = self.cfg.poll_min_s if fast else min(interval * 2, cap)
-                self._wake.wait(interval)
-                self._wake.clear()
+            self._serve(interval)
+        except BaseException as exc:  # a bug: say so loudly; the vLLM glue turns it into an engine error
+            self.dead = f"{type(exc).__name__}: {exc}"
+            log.exception("kvferry endpoint %s stopped serving", self.agent_name)
         finally:
             self._teardown()
+
+    def _serve(self, interval: float) -> None:
+        while not self._stop.is_set():
+            active = self._round()
+            cap = min(self.cfg.poll_min_s * 8, self.cfg.poll_max_s) if self._busy() else self.cfg.poll_max_s
+            # A WRITE in flight is short and on the critical path: poll it at full rate.
+            fast = active or bool(self._writes)
+            interval = self.cfg.poll_min_s if fast else min(interval * 2, cap)
+            self._wake.wait(interval)
+            self._wake.clear()
 
     def _setup(self) -> None:
         if self.layout.memory == "VRAM":  # NIXL/UCX need the KV's CUDA context current on this thread
@@ -280,9 +287,13 @@ class Endpoint:
         actions: list[P.Action] = []
         while True:
             try:
-                actions += self._commands.get_nowait()(now)
+                command, key = self._commands.get_nowait()
             except queue.Empty:
                 break
+            try:
+                actions += command(now)
+            except Exception as exc:  # one request's bad input fails that request, never the thread
+                self._fail_key(key, f"rejected: {exc}")
         active = bool(actions)
         actions += self._read_notifs(now)
         actions += self._check_writes(now)
@@ -290,7 +301,10 @@ class Endpoint:
         core = self.producer or self.consumer
         actions += core.tick(now)
         for action in actions:
-            self._do(action, now)
+            try:
+                self._do(action, now)
+            except Exception as exc:  # one action's failure settles its request, never the thread
+                self._action_failed(action, exc, now)
         pending = {**core.pending(), "handshakes": self.peers.fetching}
         if pending != self._last_pending:  # journal changes only: rounds run hundreds of times a second
             for kind, n in pending.items():
@@ -302,8 +316,31 @@ class Endpoint:
         out: list[P.Action] = []
         for sender, messages in self.transport.notifs().items():
             for raw in messages:
-                out += self._on_message(engine_of(sender), raw, now)
+                try:
+                    out += self._on_message(engine_of(sender), raw, now)
+                except Exception as exc:  # e.g. a registration whose TP cannot split the heads
+                    out.append(P.Reject("invalid", f"from {sender}: {type(exc).__name__}: {exc}"))
         return out
+
+    def _action_failed(self, action: P.Action, exc: Exception, now: float) -> None:
+        log.exception("kvferry %s: %s failed", self.role, type(action).__name__)
+        key = getattr(action, "key", None)
+        if isinstance(action, P.StartWrite):
+            self._feed(
+                self.producer.write_finished(key, action.reg.consumer_rank, False, "write_failed", now), now
+            )
+        elif key is not None:
+            self._fail_key(key, f"{type(exc).__name__}: {exc}")
+
+    def _fail_key(self, key: Key, why: str) -> None:
+        """Settle a request whose command could not be carried out: the caller gets an answer."""
+        log.warning("kvferry %s: request %s failed: %s", self.role, key, why)
+        self.metrics.record("failures", 1, self.role, "rejected")
+        self._recv.pop(key, None)
+        if self.role == "consumer":
+            self._publish(lambda r: r.failed.append((key, "rejected")))
+        else:
+            self._publish(lambda r: r.released.append((key, "rejected")))
 
     def _on_message(self, sender: str, raw: bytes, now: float) -> list[P.Action]:
         try:
@@ -415,18 +452,16 @@ class Endpoint:
                 self.producer.write_finished(key, reg.consumer_rank, False, "handshake_failed", now), now
             )
             return
-        refusal = self._refusal(agent, consumer_side=False, registered=reg.layout_fingerprint)
-        if refusal:
-            self._feed(
-                self.producer.write_finished(key, reg.consumer_rank, False, "layout_mismatch", now), now
-            )
-            return
         notif = encode(Done(reg.request_id, reg.attempt, self.engine_id, self.tp_rank, self.cfg.revision))
         try:
+            if self._refusal(agent, consumer_side=False, registered=reg.layout_fingerprint):
+                why = "layout_mismatch"
+                self._feed(self.producer.write_finished(key, reg.consumer_rank, False, why, now), now)
+                return
             handle, plan = self.transport.write(
                 agent, action.block_ids, reg.block_ids, reg.num_tokens, notif, mode=self.cfg.descriptors
             )
-        except (TransportError, ValueError, KeyError) as exc:
+        except Exception as exc:  # mapping, descriptors or NIXL: this WRITE fails, the thread serves on
             log.warning("kvferry: write of %s to %s failed to start: %s", key, agent, exc)
             self._feed(self.producer.write_finished(key, reg.consumer_rank, False, "write_failed", now), now)
             return
@@ -435,19 +470,11 @@ class Endpoint:
         self._writes.append(_Write(key, reg.consumer_rank, handle, now, plan))
 
     def _refusal(self, agent: str, *, consumer_side: bool, registered: str | None = None) -> str:
-        """Why KV cannot move between this rank and `agent` ("" when it can): the layouts cannot be
-        mapped element by element, or the consumer registered against another layout than the one
-        loaded for it. Logged once per peer agent; counted per request by the caller's Failure."""
+        """Why KV cannot move between this rank and `agent` ("" when it can; layout.refusal), logged
+        once per peer agent; counted per request by the caller's Failure."""
         peer = self.transport.peers[agent].layout
         src, dst = (peer, self.layout) if consumer_side else (self.layout, peer)
-        why = ""
-        if registered is not None and registered != peer.fingerprint:
-            why = f"registration was made for layout #{registered}, the consumer serves #{peer.fingerprint}"
-        else:
-            try:
-                check_compatible(src, dst)
-            except LayoutError as exc:
-                why = str(exc)
+        why = refusal(src, dst, registered)
         if why and agent not in self._refused:
             self._refused.add(agent)
             log.error("kvferry: layout mismatch with %s, refusing every transfer: %s", agent, why)

@@ -305,6 +305,18 @@ def check_compatible(src: KVLayout, dst: KVLayout) -> None:
         raise LayoutError(f"{why}; producer: {src.describe()}; consumer: {dst.describe()}")
 
 
+def refusal(src: KVLayout, dst: KVLayout, registered: str | None = None) -> str:
+    """Why the producer must not write into the consumer ("" when it may): the consumer registered
+    against another layout than `dst` (fingerprint), or the layouts cannot be mapped."""
+    if registered is not None and registered != dst.fingerprint:
+        return f"registration was made for layout #{registered}, the consumer serves #{dst.fingerprint}"
+    try:
+        check_compatible(src, dst)
+    except LayoutError as exc:
+        return str(exc)
+    return ""
+
+
 def _incompatibility(src: KVLayout, dst: KVLayout) -> str:
     for name in ("dtype", "elem_bytes", "total_heads", "head_dim", "num_planes"):
         a, b = getattr(src, name), getattr(dst, name)

@@ -93,7 +93,10 @@ class Peers:
                 self.metrics.record("handshakes", 1, "failed")
                 log.warning("kvferry: peer %s:%d unavailable: %s", *addr, err)
             for then in waiters:
-                then(agent, err)
+                try:
+                    then(agent, err)
+                except Exception:  # a continuation's bug must not stop the endpoint thread
+                    log.exception("kvferry: continuation for peer %s:%d failed", *addr)
         return bool(done)
 
     def close(self) -> None:

@@ -183,6 +183,8 @@ class KvferryWorker:
         out = KVConnectorTransferResults()
         if self.endpoint is None:
             return out
+        if self.endpoint.dead:  # never serve on with a transfer thread gone: fail the engine loudly
+            raise RuntimeError(f"kvferry endpoint thread died ({self.endpoint.dead}); restart this engine")
         self._release_gated()
         if self._req_of or self._gated:
             self.endpoint.kick()  # something is in flight: progress it at this step's cadence
