@@ -75,7 +75,8 @@ class KvTransfer:
         items={"enum": list(BACKENDS)},
     )
     buffer_device: str = f(
-        "Where KV is staged for transfer: auto (preset), device (accelerator memory), cpu.",
+        "Where KV is staged for transfer: auto (preset), device (accelerator memory, GPUDirect RDMA), "
+        "cpu (host copies of the KV: nodes without GPUDirect RDMA).",
         "auto",
         enum=["auto", "device", "cpu"],
     )
