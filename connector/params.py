@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 CONTRACT_VERSION = 1
+MAX_DEADLINE_S = 3600.0  # the CRD's deadlineSeconds bound: nothing waits longer, whatever a client sends
 
 
 class ParamsError(ValueError):
@@ -111,8 +112,8 @@ class _Fields:
         if key not in self.block:
             return default
         value = self.block[key]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise self._bad(key, "a positive number")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_DEADLINE_S:
+            raise self._bad(key, f"a positive number of seconds up to {MAX_DEADLINE_S:g}")
         return float(value)
 
     def dict_(self, key: str) -> dict[str, Any]:

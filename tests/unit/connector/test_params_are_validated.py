@@ -53,6 +53,9 @@ def test_contract_examples_parse():
             "producer.host must be a non-empty",
         ),
         (mutated(DECODE, ["kvferry", "deadline_s"], -1), "consumer", "deadline_s must be a positive number"),
+        (mutated(DECODE, ["kvferry", "deadline_s"], 1e9), "consumer", "deadline_s must be .* up to 3600"),
+        (mutated(DECODE, ["kvferry", "deadline_s"], float("inf")), "consumer", "deadline_s must be"),
+        (mutated(PREFILL, ["kvferry", "deadline_s"], float("nan")), "producer", "deadline_s must be"),
         (
             mutated(PREFILL, ["kvferry", "consumer", "engine_id"], KeyError),
             "producer",
