@@ -50,7 +50,7 @@ def probe_offsets(
     extent = 1 + sum((n - 1) * s for n, s in zip(like.shape[1:], like.stride()[1:], strict=True))
     raw = torch.zeros(extent, dtype=like.dtype, device=like.device)
     scratch = raw.as_strided((1, *like.shape[1:]), like.stride())
-    bits_view = raw.view(_int_of_size(raw.element_size()))
+    bits_view = raw.view(int_of_size(raw.element_size()))
     count = 2 * heads * bs * head_dim
     code = torch.arange(1, count + 1, dtype=torch.int64, device=like.device).view(2, heads, bs, head_dim)
     slots = torch.arange(bs, dtype=torch.int64, device=like.device)
@@ -91,7 +91,8 @@ def read_elements(layout: KVLayout, block_ids: list[list[int]], num_tokens: int)
     return memory[(addr - lo)[..., None] + np.arange(layout.elem_bytes)]
 
 
-def _int_of_size(n: int) -> Any:
+def int_of_size(n: int) -> Any:
+    """The torch integer dtype of an element size: compares element bits whatever the float type."""
     import torch
 
     return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[n]

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from kvferry.connector.kvcache import layout_from_tensors, probe_offsets, read_elements
+from kvferry.connector.kvcache import int_of_size, layout_from_tensors, probe_offsets, read_elements
 from kvferry.connector.layout import KVLayout, split_heads
 
 VLLM_ORDERS = ("cpu/vec", "cpu/vec16", "cpu/amx") + tuple(
@@ -182,17 +182,11 @@ class VllmKV:
     def mismatches(self, blocks: list[int], num_tokens: int) -> int:
         """Elements that differ from what the producer wrote, read through this rank's layout, plus
         page bytes that differ from what this rank's own vLLM write of the same KV stores."""
-        want = self.values(num_tokens).contiguous().view(_int_dtype(self.layout.elem_bytes)).numpy()
+        want = self.values(num_tokens).contiguous().view(int_of_size(self.layout.elem_bytes)).numpy()
         got = self.gather(blocks, num_tokens).view(want.dtype).reshape(want.shape)
         ref = VllmKV(self.shape, self.tp_rank)
         ref.fill(blocks, num_tokens)
         return int((got != want).sum()) + int((self.pages(blocks) != ref.pages(blocks)).sum())
-
-
-def _int_dtype(n: int) -> Any:
-    import torch
-
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[n]
 
 
 def reference_reshape_and_cache_flash(
