@@ -17,6 +17,9 @@ from typing import Any
 from kvferry.connector.router.config import Endpoint, KubernetesDiscoveryConfig
 
 log = logging.getLogger(__name__)
+# Every API call is bounded: without a timeout a hung API server would hold the discovery thread,
+# and so the pool, forever.
+API_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -121,12 +124,16 @@ class KubernetesDiscovery:
         """One blocking poll of the API server (runs in a thread)."""
         api, discovery, core = self._client()
         ns = self.cfg.namespace
-        pods = core.list_namespaced_pod(ns, label_selector=self.cfg.revision_label)
+        pods = core.list_namespaced_pod(
+            ns, label_selector=self.cfg.revision_label, _request_timeout=API_TIMEOUT_S
+        )
         labels = {p.metadata.name: dict(p.metadata.labels or {}) for p in pods.items}
         roles: dict[str, tuple[Endpoint, ...]] = {}
         for role, service in (("prefill", self.cfg.prefill_service), ("decode", self.cfg.decode_service)):
             selector = f"kubernetes.io/service-name={service}"
-            items = discovery.list_namespaced_endpoint_slice(ns, label_selector=selector).items
+            items = discovery.list_namespaced_endpoint_slice(
+                ns, label_selector=selector, _request_timeout=API_TIMEOUT_S
+            ).items
             slices = [api.sanitize_for_serialization(s) for s in items]
             roles[role] = endpoints_from_slices(
                 slices, labels, role, self.cfg.tp_size[role], self.cfg.revision_label
