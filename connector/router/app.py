@@ -200,10 +200,13 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _scrape_loop(state: dict[str, Any]) -> None:
-    """Keep decode load fresh for least-loaded selection (queue length, KV-cache usage)."""
+    """Keep decode load fresh for least-loaded selection (queue length, KV-cache usage); drop the load
+    entries of engines that left the pool."""
     session: aiohttp.ClientSession = state["session"]
     while True:
-        for ep in state["discovery"].current().decode:
+        pool = state["discovery"].current()
+        state["tracker"].prune(pool)
+        for ep in pool.decode:
             try:
                 async with session.get(ep.url + "/metrics", timeout=aiohttp.ClientTimeout(2)) as r:
                     m = parse_metrics(await r.text())

@@ -42,7 +42,16 @@ class LoadTracker:
         self.loads[ep.url].in_flight += 1
 
     def end(self, ep: Endpoint) -> None:
-        self.loads[ep.url].in_flight = max(0, self.loads[ep.url].in_flight - 1)
+        load = self.loads.get(ep.url)
+        if load is not None:
+            load.in_flight = max(0, load.in_flight - 1)
+
+    def prune(self, pool: Pool) -> None:
+        """Forget engines that left the pool (pods come and go: without this the dict grows with every
+        pod ever seen); an engine with legs still in flight stays until they end."""
+        current = {e.url for e in (*pool.prefill, *pool.decode)}
+        for url in [u for u, load in self.loads.items() if u not in current and load.in_flight == 0]:
+            del self.loads[url]
 
     def mark_down(self, ep: Endpoint, now: float | None = None) -> None:
         self.loads[ep.url].down_until = (time.monotonic() if now is None else now) + self.cooldown_s

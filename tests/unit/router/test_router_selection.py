@@ -93,3 +93,20 @@ def test_endpoint_slices_give_ready_pods_with_revisions() -> None:
         ("x-decode-1", "http://10.0.0.5:8000", "10.0.0.5", 5600, 2, "abc"),
         ("x-decode-2", "http://[fd00::7]:8000", "fd00::7", 5600, 2, "def"),
     ]
+
+
+def test_tracker_forgets_engines_that_left_the_pool_unless_busy() -> None:
+    tracker = LoadTracker()
+    old = Pool(prefill=(ep("prefill", 0),), decode=(ep("decode", 0), ep("decode", 1), ep("decode", 2)))
+    for e in (*old.prefill, *old.decode):
+        tracker.observe(e, waiting=1, kv_usage=0.5)
+    tracker.begin(old.decode[1])  # a leg still running on a pod that is going away
+    new = Pool(prefill=(ep("prefill", 0),), decode=(ep("decode", 0), ep("decode", 3)))
+    tracker.prune(new)
+    assert set(tracker.loads) == {old.prefill[0].url, old.decode[0].url, old.decode[1].url}
+    assert tracker.loads[old.decode[0].url].waiting == 1, "engines still in the pool keep their load"
+    tracker.end(old.decode[1])
+    tracker.prune(new)
+    assert set(tracker.loads) == {old.prefill[0].url, old.decode[0].url}
+    tracker.end(old.decode[1])  # a late end() for a forgotten engine does not bring it back
+    assert old.decode[1].url not in tracker.loads
