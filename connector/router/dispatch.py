@@ -26,6 +26,7 @@ from kvferry.connector.router.config import Endpoint, RouterConfig
 from kvferry.connector.router.errors import ApiError, LegError
 from kvferry.connector.router.metrics import RouterMetrics
 from kvferry.connector.router.selection import LoadTracker
+from kvferry.connector.router.sse import FirstEvent, FirstEventScanner
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
@@ -34,7 +35,8 @@ KV_MARGIN_S = 5.0
 
 @dataclass
 class OpenLeg:
-    """A decode-side answer that has started: status 200 and its first bytes already read."""
+    """A decode-side answer that has started: status 200 and every byte read so far (a stream up to
+    and including its first event with output; sse.py), all to be relayed unchanged."""
 
     engine: Endpoint
     response: aiohttp.ClientResponse
@@ -155,7 +157,31 @@ class Dispatcher:
         holder.append(resp)
         if resp.status != 200:
             raise await self._status_error("decode", ep, resp)
-        return await (resp.content.readany() if stream else resp.read())
+        return await (self._first_event(ep, resp) if stream else resp.read())
+
+    async def _first_event(self, ep: Endpoint, resp: aiohttp.ClientResponse) -> bytes:
+        """Read D's stream up to its first event with output; an error event before it fails the leg."""
+        scanner, read = FirstEventScanner(), bytearray()
+        while True:
+            chunk = await resp.content.readany()
+            if not chunk:
+                msg = f"decode {ep.engine_id} closed the stream before any token"
+                raise self._fail("decode", "empty", msg)
+            read += chunk
+            verdict = scanner.feed(chunk)
+            if verdict is not None and verdict.error is not None:
+                raise self._error_event(ep, verdict)
+            if verdict is not None:
+                return bytes(read)
+
+    def _error_event(self, ep: Endpoint, verdict: FirstEvent) -> LegError:
+        status = verdict.status
+        if status is not None and status < 500:
+            # The engine rejected the request itself: recompute cannot help (as with a 4xx status).
+            return self._fail("decode", "error_event", verdict.message, status=status, retryable=False)
+        # e.g. the KV connector's load failed (kv_load_failure_policy: fail): recompute locally.
+        msg = f"decode {ep.engine_id} sent an error before any token: {verdict.message}"
+        return self._fail("decode", "error_event", msg)
 
     def finish_leg(self, leg: OpenLeg) -> None:
         leg.response.close()

@@ -1,100 +1,15 @@
-"""Router HTTP behaviour against small real aiohttp servers standing in for vLLM engines.
-
-The stand-ins only record what they receive and answer as told (ok, error, stall); they prove the
-router's own logic (leg bodies, shared request id, recompute, deadlines, errors), not P/D itself.
-"""
+"""Router HTTP behaviour against small real aiohttp servers standing in for vLLM engines (engines.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import aiohttp
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
-from kvferry.connector.router.app import build_app
-from kvferry.connector.router.config import parse_config
+from aiohttp.test_utils import TestClient
 
-
-class FakeEngine:
-    """Records requests; `mode` is 'ok', 'error500', 'error400' or 'stall'."""
-
-    def __init__(self, name: str, mode: str = "ok") -> None:
-        self.name, self.mode = name, mode
-        self.seen: list[dict[str, Any]] = []
-        self.finished: list[str] = []
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.handle)
-        app.router.add_post("/v1/chat/completions", self.handle)
-        self.server = TestServer(app, host="127.0.0.1")
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.seen.append({"rid": request.headers.get("X-Request-Id"), "body": body, "t": time.monotonic()})
-        if self.mode == "stall":
-            await asyncio.sleep(3600)
-        if self.mode == "slow":
-            await asyncio.sleep(0.5)
-        if self.mode.startswith("error"):
-            status = int(self.mode[5:])
-            return web.json_response({"error": {"message": f"{self.name} says no"}}, status=status)
-        self.finished.append(request.headers.get("X-Request-Id", ""))
-        kv = {"do_remote_prefill": True, "remote_engine_id": self.name, "remote_block_ids": [[1]]}
-        if body.get("stream"):
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            for i, word in enumerate(("from", " ", self.name)):
-                choice = {"index": 0, "text": word, "token_ids": [i]}
-                await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
-                await asyncio.sleep(0.05)
-            if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"choices": [], "usage": {"completion_tokens": 3}}
-                await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
-        return web.json_response({"choices": [{"text": f"from {self.name}"}], "kv_transfer_params": kv})
-
-    @property
-    def url(self) -> str:
-        return str(self.server.make_url("")).rstrip("/")
-
-
-def _config(mode: str, p: FakeEngine, d: FakeEngine, **extra: Any) -> dict[str, Any]:
-    def entry(e: FakeEngine, port: int) -> dict[str, Any]:
-        return {"url": e.url, "engine_id": e.name, "side_host": "127.0.0.1", "side_port": port}
-
-    return {
-        "mode": mode, "model": "tiny",
-        "deadlines": {"prefill_s": 2, "decode_first_token_s": 1, "transfer_s": 5, "total_s": 4},
-        "discovery": {"static": {"prefill": [entry(p, 5600)], "decode": [entry(d, 5601)]}}, **extra,
-    }  # fmt: skip
-
-
-Check = Callable[[TestClient, FakeEngine, FakeEngine], Awaitable[None]]
-
-
-def run(mode: str, p_mode: str, d_mode: str, test: Check, api_key: str | None = None) -> None:
-    async def main() -> None:
-        p, d = FakeEngine("prefill-0", p_mode), FakeEngine("decode-0", d_mode)
-        await p.server.start_server()
-        await d.server.start_server()
-        client = TestClient(
-            TestServer(build_app(parse_config(_config(mode, p, d)), api_key), host="127.0.0.1")
-        )
-        await client.start_server()
-        try:
-            await asyncio.wait_for(test(client, p, d), 30)
-        finally:
-            await client.close()
-            await p.server.close()
-            await d.server.close()
-
-    asyncio.run(main())
-
+from tests.unit.router.engines import FakeEngine, run
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 5}
 
