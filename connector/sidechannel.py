@@ -6,85 +6,266 @@ at start), so the transport thread stays the agent's only user. It also carries 
 incarnation id next to the agent metadata, so a restarted peer with the same engine id is noticed.
 
 Protocol: the client connects and sends `KVF?`; the server answers with a 4-byte big-endian length
-and the encoded PeerInfo, then closes. Every socket operation has a timeout.
+and the encoded PeerInfo, then closes.
+
+Bounds (the port is reachable by anything in the pod network): one selector thread serves all
+clients at once with non-blocking sockets, so no client can hold up another's handshake; each
+connection gets `deadline_s` for the whole exchange (not per read, so trickling bytes does not
+extend it); at most `max_clients` are open, further ones are closed as soon as they are accepted.
+Client misbehaviour is counted in `stats` and logged rate-limited. `fetch_peer` bounds a whole
+attempt by `timeout_s` the same way, so a hostile peer cannot stall the engine's handshake either.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import selectors
 import socket
 import struct
 import threading
+import time
+from dataclasses import dataclass, field
 
+from kvferry.connector.ratelimit import RateLimitedLog
 from kvferry.connector.wire import PeerInfo, WireError, decode
 
 log = logging.getLogger(__name__)
 REQUEST = b"KVF?"
 MAX_PAYLOAD = 64 << 20
+_BACKLOG = 128
+_ACCEPT_BATCH = 64  # per wake-up, so a connect flood cannot starve clients already being served
+_ACCEPT_PAUSE_S = 0.1  # after accept() fails (EMFILE...): the listener stays readable, do not spin
+_TICK_S = 1.0  # longest sleep: rate-limited summaries of quiet keys still get out
+_RECV_CHUNK = 1 << 18
+_WAKE = object()
 
 
 class SideChannelError(RuntimeError):
     """The peer's side channel could not be reached or answered garbage."""
 
 
+@dataclass
+class SideChannelStats:
+    """Connection outcomes since start; written by the server thread only."""
+
+    served: int = 0
+    refused: int = 0  # over max_clients: closed right after accept
+    bad_request: int = 0  # sent something other than REQUEST: closed without an answer
+    timed_out: int = 0  # exchange not finished within deadline_s
+    dropped: int = 0  # closed or reset by the client, or a socket error, before the answer was out
+
+
+@dataclass
+class _Client:
+    sock: socket.socket
+    fd: int
+    peer: str
+    deadline: float
+    got: bytearray = field(default_factory=bytearray)
+    out: memoryview | None = None  # answer still to send, once the request is complete
+
+
 class SideChannelServer:
     """Serves one encoded PeerInfo on host:port from a daemon thread until `close()`."""
 
-    def __init__(self, host: str, port: int, payload: bytes) -> None:
+    def __init__(
+        self, host: str, port: int, payload: bytes, *, max_clients: int = 64, deadline_s: float = 2.0
+    ) -> None:
+        if max_clients < 1 or deadline_s <= 0:
+            raise ValueError("max_clients must be >= 1 and deadline_s > 0")
+        self.max_clients, self.deadline_s = max_clients, deadline_s
+        self.stats = SideChannelStats()
         self._payload = struct.pack(">I", len(payload)) + payload
-        self._sock = socket.create_server((host, port), reuse_port=False)
-        self._sock.settimeout(0.2)  # lets the accept loop notice close() without a busy loop
+        self._sock = socket.create_server((host, port), reuse_port=False, backlog=_BACKLOG)
+        self._sock.setblocking(False)
         self.address = self._sock.getsockname()[:2]
+        self._where = f"side channel {self.address[0]}:{self.address[1]}"
+        self._clients: dict[int, _Client] = {}
+        self._limited = RateLimitedLog(interval_s=10.0, max_keys=16)
+        self._accept_paused_until: float | None = None
+        self._wake_r, self._wake_w = socket.socketpair()  # close() interrupts select() through it
+        self._wake_r.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._sock, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"kvferry-side-{port}", daemon=True)
         self._thread.start()
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with conn:
-                try:
-                    conn.settimeout(2.0)
-                    if _recv_exact(conn, len(REQUEST)) == REQUEST:
-                        conn.sendall(self._payload)
-                except (OSError, SideChannelError) as exc:
-                    log.debug("side channel: client dropped: %s", exc)
+    @property
+    def active(self) -> int:
+        """Connections currently open (accepted and not yet closed)."""
+        return len(self._clients)
 
     def close(self) -> None:
+        """Stop serving, close every connection and the port; returns promptly, safe to repeat."""
         self._stop.set()
+        with contextlib.suppress(OSError):  # already closed by an earlier close()
+            self._wake_w.send(b"\0")
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+        self._wake_w.close()
+
+    # The server thread.
+
+    def _serve(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._round()
+        except Exception:  # a bug, not a client: say so loudly rather than die silently
+            log.exception(
+                "%s: serving loop failed; peers can no longer handshake with this rank", self._where
+            )
+        finally:
+            self._shutdown()
+
+    def _round(self) -> None:
+        now = time.monotonic()
+        self._expire(now)
+        self._maybe_resume_accept(now)
+        for key, _ in self._sel.select(self._sleep_s(now)):
+            if key.data is _WAKE:
+                return
+            if key.data is None:
+                self._accept()
+            else:
+                self._service(key.data)
+        self._limited.flush()
+
+    def _sleep_s(self, now: float) -> float:
+        wake = [now + _TICK_S, *(c.deadline for c in self._clients.values())]
+        if self._accept_paused_until is not None:
+            wake.append(self._accept_paused_until)
+        return max(0.0, min(wake) - now)
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                conn, addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors or buffers
+                self._pause_accept(exc)
+                return
+            peer = f"{addr[0]}:{addr[1]}"
+            if len(self._clients) >= self.max_clients:
+                self.stats.refused += 1
+                conn.close()
+                self._warn("refused", "%s: %d clients already open, refused %s", self.max_clients, peer)
+                continue
+            conn.setblocking(False)
+            client = _Client(conn, conn.fileno(), peer, time.monotonic() + self.deadline_s)
+            self._clients[client.fd] = client
+            self._sel.register(conn, selectors.EVENT_READ, client)
+
+    def _pause_accept(self, exc: OSError) -> None:
+        self._warn("accept", "%s: accept failed, pausing %.1fs: %s", _ACCEPT_PAUSE_S, exc)
+        self._sel.unregister(self._sock)
+        self._accept_paused_until = time.monotonic() + _ACCEPT_PAUSE_S
+
+    def _maybe_resume_accept(self, now: float) -> None:
+        if self._accept_paused_until is not None and now >= self._accept_paused_until:
+            self._sel.register(self._sock, selectors.EVENT_READ, None)
+            self._accept_paused_until = None
+
+    def _service(self, c: _Client) -> None:
+        if self._clients.get(c.fd) is not c:
+            return  # closed earlier in this round; its descriptor may already belong to another
+        try:
+            if c.out is None:
+                self._read(c)
+            else:
+                self._write(c)
+        except OSError as exc:
+            self._drop(c, "client %s dropped: %s", c.peer, exc)
+
+    def _read(self, c: _Client) -> None:
+        chunk = c.sock.recv(len(REQUEST) - len(c.got))
+        if not chunk:
+            self._drop(c, "client %s closed after %d of %d request bytes", c.peer, len(c.got), len(REQUEST))
+            return
+        c.got += chunk
+        if not REQUEST.startswith(c.got):
+            self.stats.bad_request += 1
+            self._close(c)
+            self._warn("bad request", "%s: bad request %r from %s, closed", bytes(c.got), c.peer)
+        elif len(c.got) == len(REQUEST):
+            c.out = memoryview(self._payload)
+            self._sel.modify(c.sock, selectors.EVENT_WRITE, c)
+            self._write(c)  # usually fits the socket buffer: no extra round through select()
+
+    def _write(self, c: _Client) -> None:
+        assert c.out is not None
+        c.out = c.out[c.sock.send(c.out) :]
+        if not c.out:
+            self.stats.served += 1
+            self._close(c)
+
+    def _expire(self, now: float) -> None:
+        for c in [c for c in self._clients.values() if now >= c.deadline]:
+            self.stats.timed_out += 1
+            self._close(c)
+            stage = "request" if c.out is None else "answer"
+            msg = "%s: client %s timed out after %.1fs (in %s), closed"
+            self._limited.log(log, logging.INFO, "timeout", msg, self._where, c.peer, self.deadline_s, stage)
+
+    def _drop(self, c: _Client, msg: str, *args: object) -> None:
+        self.stats.dropped += 1
+        self._close(c)
+        self._limited.log(log, logging.DEBUG, "dropped", "%s: " + msg, self._where, *args)
+
+    def _warn(self, key: str, msg: str, *args: object) -> None:
+        self._limited.log(log, logging.WARNING, key, msg, self._where, *args)
+
+    def _close(self, c: _Client) -> None:
+        if self._clients.pop(c.fd, None) is not None:
+            self._sel.unregister(c.sock)
+        c.sock.close()
+
+    def _shutdown(self) -> None:
+        for c in list(self._clients.values()):
+            self._close(c)
+        self._sel.close()
         self._sock.close()
-        self._thread.join(timeout=2.0)
+        self._wake_r.close()
+        self._limited.flush(force=True)
 
 
 def fetch_peer(host: str, port: int, timeout_s: float) -> PeerInfo:
-    """One bounded attempt to read a peer's PeerInfo; raises SideChannelError naming the peer."""
+    """One attempt, bounded by `timeout_s` in total, to read a peer's PeerInfo; raises
+    SideChannelError naming the peer."""
     where = f"side channel {host}:{port}"
+    deadline = time.monotonic() + timeout_s
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as conn:
-            conn.settimeout(timeout_s)
+            conn.settimeout(_remaining(deadline))
             conn.sendall(REQUEST)
-            (size,) = struct.unpack(">I", _recv_exact(conn, 4))
+            (size,) = struct.unpack(">I", _recv_exact(conn, 4, deadline))
             if size > MAX_PAYLOAD:
-                raise SideChannelError(f"{where}: payload of {size} bytes is too large")
-            info = decode(_recv_exact(conn, size))
+                raise SideChannelError(f"payload of {size} bytes is too large")
+            info = decode(_recv_exact(conn, size, deadline))
     except OSError as exc:
         raise SideChannelError(f"{where}: {exc}") from None
-    except WireError as exc:
+    except (WireError, SideChannelError) as exc:
         raise SideChannelError(f"{where}: {exc}") from None
     if not isinstance(info, PeerInfo):
         raise SideChannelError(f"{where}: answered a {type(info).__name__}, not peer info")
     return info
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    return left
+
+
+def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
     data = bytearray()
     while len(data) < n:
-        chunk = conn.recv(n - len(data))
+        conn.settimeout(_remaining(deadline))  # the whole read, not each recv: trickling does not help
+        chunk = conn.recv(min(n - len(data), _RECV_CHUNK))
         if not chunk:
             raise SideChannelError(f"connection closed after {len(data)} of {n} bytes")
         data += chunk

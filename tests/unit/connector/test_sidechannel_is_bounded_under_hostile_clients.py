@@ -1,0 +1,222 @@
+"""sidechannel: silent, slow, garbage-sending or too many clients never hold up a real handshake.
+
+Real sockets on 127.0.0.1; every wait is bounded so a regression fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import pytest
+from kvferry.connector.hostkv import synthetic_layout
+from kvferry.connector.sidechannel import REQUEST, SideChannelError, SideChannelServer, fetch_peer
+from kvferry.connector.wire import PeerInfo, encode, layout_to_wire
+
+LAYOUT = synthetic_layout(
+    "head_major", bases=[4096], num_blocks=8, block_size=16, num_heads=2, head_dim=8, elem_bytes=4
+)
+
+
+def peer_info(metadata_bytes: int = 64) -> PeerInfo:
+    meta = bytes(i % 251 for i in range(metadata_bytes))
+    return PeerInfo("engine-p", "agent-p", meta, 0, 1, "inc-1", layout_to_wire(LAYOUT), LAYOUT.fingerprint)
+
+
+@contextmanager
+def serving(info: PeerInfo, **kw: float) -> Iterator[SideChannelServer]:
+    server = SideChannelServer("127.0.0.1", 0, encode(info), **kw)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def connect(server: SideChannelServer) -> socket.socket:
+    conn = socket.create_connection(tuple(server.address), timeout=5.0)
+    conn.settimeout(5.0)
+    return conn
+
+
+def read_until_closed(conn: socket.socket) -> bytes:
+    """What the server sent before it closed (a reset counts as closed)."""
+    data = bytearray()
+    try:
+        while chunk := conn.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return bytes(data)
+
+
+def wait_for(cond, timeout_s: float = 5.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_fetch_succeeds_quickly_while_idle_clients_hold_connections():
+    info = peer_info()
+    with serving(info) as server, ExitStack() as idle:
+        for _ in range(20):  # connect and never send: the old server gave each one 2 s in turn
+            idle.enter_context(connect(server))
+        time.sleep(0.1)
+        start = time.monotonic()
+        assert fetch_peer("127.0.0.1", server.address[1], timeout_s=1.0) == info
+        assert time.monotonic() - start < 0.5
+
+
+def test_garbage_is_closed_without_an_answer_and_serving_goes_on(caplog):
+    info = peer_info()
+    caplog.set_level(logging.DEBUG, logger="kvferry.connector.sidechannel")
+    with serving(info) as server:
+        for junk in (b"GET / HTTP/1.0\r\n\r\n", b"KVX?", b"KV\x00"):
+            with connect(server) as conn:
+                conn.sendall(junk)
+                assert read_until_closed(conn) == b""
+        assert fetch_peer("127.0.0.1", server.address[1], timeout_s=2.0) == info
+        wait_for(lambda: (server.stats.bad_request, server.stats.served) == (3, 1))
+    bad = [r.getMessage() for r in caplog.records if "bad request" in r.getMessage()]
+    assert len(bad) == 2, bad  # rate limited: the first, then the count of the others at close()
+    assert "bad request b'GET '" in bad[0]
+    assert "(and 2 more like this" in bad[1]
+
+
+def test_silent_client_is_dropped_at_the_deadline():
+    with serving(peer_info(), deadline_s=0.3) as server, connect(server) as conn:
+        start = time.monotonic()
+        assert read_until_closed(conn) == b""
+        assert 0.2 < time.monotonic() - start < 1.5
+        wait_for(lambda: server.stats.timed_out == 1)
+        assert server.active == 0
+
+
+def test_deadline_is_for_the_whole_exchange_not_each_read():
+    with serving(peer_info(), deadline_s=1.0) as server, connect(server) as conn:
+        start = time.monotonic()
+        for byte in REQUEST[:3]:  # each byte well within a per-read timeout; the total is not
+            conn.sendall(bytes([byte]))
+            time.sleep(0.4)
+        assert read_until_closed(conn) == b""
+        assert time.monotonic() - start < 1.6  # a per-read timeout would run to 0.8 + 1.0 s
+        wait_for(lambda: server.stats.timed_out == 1)
+
+
+def test_slow_but_honest_client_within_the_deadline_is_served():
+    info = peer_info()
+    with serving(info, deadline_s=2.0) as server, connect(server) as conn:
+        for byte in REQUEST:
+            conn.sendall(bytes([byte]))
+            time.sleep(0.05)
+        data = read_until_closed(conn)
+        assert int.from_bytes(data[:4], "big") == len(data) - 4 == len(encode(info))
+
+
+def test_many_concurrent_fetches_all_get_the_exact_payload():
+    info = peer_info(metadata_bytes=1 << 20)  # larger than a socket buffer: partial sends happen
+    results: list[PeerInfo | Exception] = []
+    with serving(info) as server:
+
+        def fetch() -> None:
+            try:
+                results.append(fetch_peer("127.0.0.1", server.address[1], timeout_s=10.0))
+            except Exception as exc:  # collected, asserted below
+                results.append(exc)
+
+        threads = [threading.Thread(target=fetch) for _ in range(40)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20.0)
+        assert len(results) == 40
+        assert all(r == info for r in results), [r for r in results if r != info][:3]
+        wait_for(lambda: server.stats.served == 40)
+
+
+def test_connections_beyond_the_cap_are_closed_at_once_and_counted():
+    info = peer_info()
+    with serving(info, max_clients=4) as server, ExitStack() as idle:
+        for _ in range(4):
+            idle.enter_context(connect(server))
+        wait_for(lambda: server.active == 4)
+        start = time.monotonic()
+        with connect(server) as extra:
+            assert read_until_closed(extra) == b""
+        with pytest.raises(SideChannelError):
+            fetch_peer("127.0.0.1", server.address[1], timeout_s=2.0)
+        assert time.monotonic() - start < 0.5  # refused, not queued behind the idle ones
+        wait_for(lambda: server.stats.refused == 2)
+        idle.close()
+        wait_for(lambda: server.active == 0)
+        assert fetch_peer("127.0.0.1", server.address[1], timeout_s=2.0) == info
+
+
+def test_close_is_prompt_with_clients_connected():
+    server = SideChannelServer("127.0.0.1", 0, encode(peer_info()))
+    port = server.address[1]
+    with ExitStack() as idle:
+        conns = [idle.enter_context(connect(server)) for _ in range(5)]
+        wait_for(lambda: server.active == 5)
+        start = time.monotonic()
+        server.close()
+        assert time.monotonic() - start < 0.5
+        assert all(read_until_closed(c) == b"" for c in conns)
+    with pytest.raises(SideChannelError):
+        fetch_peer("127.0.0.1", port, timeout_s=1.0)
+    server.close()  # idempotent
+
+
+def test_fetch_from_a_trickling_peer_gives_up_at_its_timeout():
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle() -> None:  # a hostile peer: a length, then one byte now and then, forever
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(4)
+            conn.sendall((1000).to_bytes(4, "big"))
+            while not stop.is_set():
+                try:
+                    conn.sendall(b"x")
+                except OSError:
+                    return
+                time.sleep(0.1)
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(SideChannelError, match=r"127\.0\.0\.1:\d+: timed out"):
+            fetch_peer("127.0.0.1", listener.getsockname()[1], timeout_s=0.5)
+        assert time.monotonic() - start < 1.5
+    finally:
+        stop.set()
+        thread.join(timeout=2.0)
+        listener.close()
+
+
+def test_peer_closing_early_is_an_error_naming_the_peer():
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def hang_up() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(4)
+            conn.sendall((1000).to_bytes(4, "big") + b"short")
+
+    thread = threading.Thread(target=hang_up, daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    try:
+        with pytest.raises(
+            SideChannelError, match=rf"side channel 127\.0\.0\.1:{port}: .*closed after 5 of 1000"
+        ):
+            fetch_peer("127.0.0.1", port, timeout_s=2.0)
+    finally:
+        thread.join(timeout=2.0)
+        listener.close()
