@@ -1,6 +1,8 @@
 """Dispatch step: run one client request through prefill and decode legs, owning every deadline.
 
 - kvferry and vllm-push: both legs start at once with one X-Request-Id (D registers while P computes).
+  P's leg is bounded by prefill_s; D's first-token clock starts only when P's leg finished, so a slow
+  P is never blamed on D (D cannot produce a token before its KV exists).
 - vllm-pull: P first, then D with P's returned kv_transfer_params verbatim.
 - A failed or stuck leg ends in a local recompute on the other engine of the pair (while time is
   left) or in a clear OpenAI-style error; nothing waits without a bound.
@@ -30,6 +32,8 @@ from kvferry.connector.router.sse import FirstEvent, FirstEventScanner
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
+# After P finished, D gets at least transfer_s plus this margin, so that the kvferry connector's own
+# deadline_s (an error event from D, recomputed with a clear reason) acts before the router's bound.
 KV_MARGIN_S = 5.0
 
 
@@ -99,6 +103,7 @@ class Dispatcher:
         try:
             return await asyncio.wait_for(self._prefill_once(ep, path, body, rid), timeout_s)
         except asyncio.TimeoutError:
+            self.tracker.mark_down(ep)  # slow P: steer the next requests elsewhere, recompute on D
             raise self._fail(
                 "prefill",
                 "timeout",
@@ -205,17 +210,20 @@ class Dispatcher:
             return await self._recompute(req, target, rid, exc, deadline)
 
     def _decode(
-        self, req: legs.ClientRequest, ep: Endpoint, params: dict[str, Any] | None, rid: str, deadline: float
-    ) -> Awaitable[OpenLeg]:
+        self, req: legs.ClientRequest, ep: Endpoint, params: dict[str, Any] | None, rid: str, deadline: float,
+        first_token_bound: bool = True,
+    ) -> Awaitable[OpenLeg]:  # fmt: skip
         """The decode leg (or a recompute when params is None), streamed whenever it can be, so that
-        D's first token is visible and bounded by decode_first_token_s."""
+        D's first token is visible and bounded by decode_first_token_s (unless first_token_bound is
+        False: push bounds it from P's finish, in _push)."""
         body = legs.decode_body(req.body, params)
         aggregate = can_aggregate(req.body)
         if aggregate:
             body = streaming_body(body)
         stream = req.stream or aggregate
         remaining = deadline - asyncio.get_running_loop().time()
-        timeout = min(self.cfg.deadlines.decode_first_token_s, remaining) if stream else remaining
+        bounded = stream and first_token_bound
+        timeout = min(self.cfg.deadlines.decode_first_token_s, remaining) if bounded else remaining
         return self.open_decode(ep, req.path, body, rid, stream, timeout, aggregate)
 
     async def _push(
@@ -224,36 +232,46 @@ class Dispatcher:
         mode, dl = self.cfg.mode, self.cfg.deadlines
         p_body = legs.prefill_body(req.body, legs.prefill_params(mode, rid, 0, d, dl.transfer_s))
         d_params = legs.decode_params(mode, req.path, rid, 0, p, dl.transfer_s)
-        p_task = asyncio.create_task(self.prefill(p, req.path, p_body, rid, dl.prefill_s))
-        d_task = asyncio.create_task(self._decode(req, d, d_params, rid, deadline))
+        remaining = deadline - asyncio.get_running_loop().time()
+        p_task = asyncio.create_task(self.prefill(p, req.path, p_body, rid, min(dl.prefill_s, remaining)))
+        # D waits for KV while P computes: until P's leg ends only the request's deadline bounds it.
+        d_task = asyncio.create_task(self._decode(req, d, d_params, rid, deadline, first_token_bound=False))
         try:
             await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
-            if p_task.done() and not d_task.done():
-                if p_task.exception() is not None:
-                    # D would wait for KV that never comes: abort it, then recompute.
-                    d_task.cancel()
-                    await asyncio.gather(d_task, return_exceptions=True)
-                    raise p_task.exception()  # type: ignore[misc]
-                await self._await_kv(d_task, p, d)
+            if not d_task.done():
+                streams = req.stream or can_aggregate(req.body)
+                await self._after_prefill(p_task, d_task, (p, d), deadline, streams)
             return await d_task
         finally:
             if not d_task.done():
                 d_task.cancel()  # only when this handler itself is cancelled: never leave D running
             self._detach(p_task)
 
-    async def _await_kv(self, d_task: asyncio.Task[OpenLeg], p: Endpoint, d: Endpoint) -> None:
-        """P finished: KV must reach D and D must start within transfer_s (plus a margin so the
-        kvferry connector's own deadline_s acts first). Upstream push can lose a registration and
-        then leaves D waiting forever without any error; this bound turns that into a recompute."""
-        bound = self.cfg.deadlines.transfer_s + KV_MARGIN_S
+    async def _after_prefill(
+        self, p_task: asyncio.Task[Any], d_task: asyncio.Task[OpenLeg], pair: tuple[Endpoint, Endpoint],
+        deadline: float, streams: bool,
+    ) -> None:  # fmt: skip
+        """P's leg ended before D's first token. If P failed, D would wait for KV that never comes:
+        abort D and raise P's failure (recompute on D). Else D's clock starts now: decode_first_token_s,
+        and never less than transfer_s + KV_MARGIN_S. Upstream push can lose a registration and then
+        leaves D waiting forever without any error; this bound turns that into a recompute. A
+        non-streaming D shows nothing before its whole answer: only the request's deadline bounds it."""
+        exc = p_task.exception()
+        if exc is not None:
+            await _abort(d_task)
+            raise exc
+        dl, (p, d) = self.cfg.deadlines, pair
+        remaining = deadline - asyncio.get_running_loop().time()
+        first_token = max(dl.decode_first_token_s, dl.transfer_s + KV_MARGIN_S)
+        bound = min(first_token, remaining) if streams else remaining
         done, _ = await asyncio.wait({d_task}, timeout=bound)
         if done:
             return
-        d_task.cancel()
-        await asyncio.gather(d_task, return_exceptions=True)
+        await _abort(d_task)
         self.tracker.mark_down(d)
-        msg = f"decode {d.engine_id} did not start within {bound:.0f}s after prefill {p.engine_id} finished"
-        raise self._fail("decode", "kv_timeout", msg, status=504)
+        what = "first token" if streams else "answer"
+        msg = f"decode {d.engine_id} gave no {what} within {bound:.1f}s after prefill {p.engine_id} finished"
+        raise self._fail("decode", "timeout", msg, status=504)
 
     async def _pull(
         self, req: legs.ClientRequest, p: Endpoint, d: Endpoint, rid: str, deadline: float
@@ -299,6 +317,12 @@ class Dispatcher:
                 t.exception()
 
         task.add_done_callback(_done)
+
+
+async def _abort(task: asyncio.Task[Any]) -> None:
+    """Cancel a decode leg and wait until its connection is closed (vLLM then aborts the request)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def new_request_id() -> str:

@@ -107,7 +107,7 @@ def config(mode: str, p: FakeEngine, d: FakeEngine, **extra: Any) -> dict[str, A
     def entry(e: FakeEngine, port: int) -> dict[str, Any]:
         return {"url": e.url, "engine_id": e.name, "side_host": "127.0.0.1", "side_port": port}
 
-    deadlines = {"prefill_s": 2, "decode_first_token_s": 1, "transfer_s": 5, "total_s": 4}
+    deadlines = {"prefill_s": 2, "decode_first_token_s": 1, "transfer_s": 0.5, "total_s": 4}
     return {
         "mode": mode, "model": "tiny",
         **extra, "deadlines": {**deadlines, **extra.get("deadlines", {})},
