@@ -12,20 +12,19 @@ import copy
 import json
 from typing import Any
 
-_NOT_AGGREGATED = (
-    "logprobs",
-    "top_logprobs",
-    "echo",
-    "prompt_logprobs",
-    "tools",
-    "functions",
-    "n",
-    "best_of",
-)
+_NOT_AGGREGATED = ("logprobs", "top_logprobs", "echo", "prompt_logprobs", "tools", "functions")
 
 
 def can_aggregate(body: dict[str, Any]) -> bool:
-    return not body.get("stream") and not any(body.get(k) not in (None, False, 1) for k in _NOT_AGGREGATED)
+    if body.get("stream") or any(body.get(k) not in (None, 1) for k in ("n", "best_of")):
+        return False
+    return all(_off(body.get(k)) for k in _NOT_AGGREGATED)
+
+
+def _off(value: Any) -> bool:
+    # Identity, not equality: logprobs 1 or True (== 1) and 0 (== False, the sampled token's
+    # logprob) all ask for logprobs, which the aggregated answer would drop.
+    return value is None or value is False or value == []
 
 
 def streaming_body(body: dict[str, Any]) -> dict[str, Any]:

@@ -53,6 +53,9 @@ def test_only_plain_text_requests_are_aggregated() -> None:
     assert can_aggregate({"prompt": "x", "max_tokens": 3})
     assert not can_aggregate({"prompt": "x", "stream": True})
     assert not can_aggregate({"prompt": "x", "logprobs": 2})
+    for asks in ({"prompt": "x", "logprobs": 1}, {"prompt": "x", "logprobs": 0}, {"logprobs": True}):
+        assert not can_aggregate(asks), f"{asks} asks for logprobs: aggregation would drop them"
+    assert can_aggregate({"messages": [], "logprobs": False, "tools": [], "n": 1, "echo": None})
     assert not can_aggregate({"messages": [], "tools": [{"type": "function"}]})
     body = streaming_body({"prompt": "x", "stream_options": {"continuous_usage_stats": False}})
     assert body["stream"] is True
