@@ -31,6 +31,10 @@ class KvferryConfig:
     lease_s: float = 30.0  # producer: finished blocks wait this long for a registration
     deadline_s: float = 30.0  # consumer: default wait for KV when a request does not say
     registration_ttl_s: float = 60.0  # producer: a registration waits this long for its prefill
+    # consumer: blocks of a receive past its deadline stay held this much longer for the producer's
+    # answer to the Cancel (covers a WRITE posted just before the deadline and clock skew between hosts)
+    grace_s: float = 2.0
+    peer_idle_s: float = 600.0  # a peer agent unused this long is unloaded (pods come and go)
     max_entries: int = 4096  # bound of every pending map
     descriptors: str = "auto"  # auto: prepped lists when block layouts match, else coalesced per request
     # Transport poll interval right after activity and while a WRITE is in flight; backs off to 8x
@@ -91,6 +95,8 @@ class KvferryConfig:
             "poll_min_s",
             "poll_max_s",
             "handshake_timeout_s",
+            "grace_s",
+            "peer_idle_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be > 0, got {getattr(self, name)}")

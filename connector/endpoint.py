@@ -21,6 +21,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from kvferry.connector import protocol as P
@@ -30,6 +31,7 @@ from kvferry.connector.metrics import Metrics
 from kvferry.connector.peers import Peers
 from kvferry.connector.preflight import backend_checks, efa_checks
 from kvferry.connector.preflight import record as record_checks
+from kvferry.connector.ratelimit import log_limited
 from kvferry.connector.sidechannel import SideChannelServer
 from kvferry.connector.transport import NixlTransport, WritePlan
 from kvferry.connector.wire import (
@@ -46,6 +48,7 @@ from kvferry.connector.wire import (
 
 log = logging.getLogger(__name__)
 Key = P.Key
+PRUNE_EVERY_S = 5.0
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Results:
 class _Write:
     key: Key
     rank: int
+    agent: str
     handle: Any
     started: float
     plan: WritePlan
@@ -110,7 +114,9 @@ class Endpoint:
         self.layout, self.metrics = layout, metrics or Metrics()
         self.incarnation = uuid.uuid4().hex[:8]
         self.agent_name = f"{engine_id}/{tp_rank}/{self.incarnation}"
-        limits = P.Limits(cfg.lease_s, cfg.registration_ttl_s, cfg.registration_ttl_s, cfg.max_entries)
+        limits = P.Limits(
+            cfg.lease_s, cfg.registration_ttl_s, cfg.registration_ttl_s, cfg.max_entries, cfg.grace_s
+        )
         core_args = dict(total_heads=layout.total_heads, rank=tp_rank, tp_size=tp_size, limits=limits)
         self.producer = P.ProducerCore(**core_args) if role == "producer" else None
         self.consumer = P.ConsumerCore(**core_args) if role == "consumer" else None
@@ -128,6 +134,7 @@ class Endpoint:
         self.transport: NixlTransport | None = None
         self.side: SideChannelServer | None = None
         self._refused: set[str] = set()  # peer agents whose layout mismatch was logged
+        self._next_prune = 0.0
 
     # ---- lifecycle (caller thread) ----
     def start(self, timeout_s: float = 60.0) -> Endpoint:
@@ -300,6 +307,9 @@ class Endpoint:
         active |= self.peers.finish(self.transport)
         core = self.producer or self.consumer
         actions += core.tick(now)
+        if now >= self._next_prune:  # pods come and go: unload agents nobody uses
+            self._next_prune = now + PRUNE_EVERY_S
+            self._refused -= set(self.peers.prune(self.transport, {w.agent for w in self._writes}, now))
         for action in actions:
             try:
                 self._do(action, now)
@@ -334,7 +344,9 @@ class Endpoint:
 
     def _fail_key(self, key: Key, why: str) -> None:
         """Settle a request whose command could not be carried out: the caller gets an answer."""
-        log.warning("kvferry %s: request %s failed: %s", self.role, key, why)
+        log_limited(
+            log, logging.WARNING, "rejected", "kvferry %s: request %s failed: %s", self.role, key, why
+        )
         self.metrics.record("failures", 1, self.role, "rejected")
         self._recv.pop(key, None)
         if self.role == "consumer":
@@ -358,7 +370,10 @@ class Endpoint:
                 P.Reject("wrong_revision", f"{type(msg).__name__} of revision {revision!r} from {sender}")
             ]
         if self.producer is not None and isinstance(msg, Registration):
-            return self.producer.registration(msg, now)
+            if msg.deadline_unix <= 0:
+                return [P.Reject("malformed", f"registration for {msg.request_id} without a deadline")]
+            # Wall clock across hosts (NTP-synced; the consumer's grace_s covers the skew), ours after.
+            return self.producer.registration(msg, now, now + msg.deadline_unix - time.time())
         if self.producer is not None and isinstance(msg, Cancel):
             return self.producer.cancel(
                 (msg.request_id, msg.attempt), msg.consumer_engine, msg.consumer_rank, now
@@ -377,9 +392,8 @@ class Endpoint:
             try:
                 self.transport.release(w.handle)
             except Exception as exc:  # NIXL refuses to release a live transfer: keep the blocks held
-                log.warning(
-                    "write %s to rank %d still active after %.1fs: %s", w.key, w.rank, now - w.started, exc
-                )
+                log_limited(log, logging.WARNING, "unreleasable", "kvferry: write %s to rank %d still "
+                            "active after %.1fs: %s", w.key, w.rank, now - w.started, exc)  # fmt: skip
                 continue
             self._writes.remove(w)
             ok = state == "DONE"
@@ -412,7 +426,16 @@ class Endpoint:
             )
         elif isinstance(action, P.SendFailure):
             reg = action.reg
-            msg = encode(Failure(reg.request_id, reg.attempt, self.engine_id, self.tp_rank, action.reason))
+            msg = encode(
+                Failure(
+                    reg.request_id,
+                    reg.attempt,
+                    self.engine_id,
+                    self.tp_rank,
+                    action.reason,
+                    self.cfg.revision,
+                )
+            )
             self.metrics.record("failures", 1, self.role, action.reason)
             self.peers.with_peer(
                 reg.consumer_host,
@@ -439,11 +462,15 @@ class Endpoint:
         elif isinstance(action, P.Failed):
             self._recv.pop(action.key, None)
             self.metrics.record("failures", 1, self.role, action.reason)
-            log.warning("kvferry: receive of %s failed: %s", action.key, action.reason)
+            log_limited(log, logging.WARNING, ("failed", action.reason), "kvferry: receive of %s failed: %s",
+                        action.key, action.reason)  # fmt: skip
             self._publish(lambda r: r.failed.append((action.key, action.reason)))
         elif isinstance(action, P.Reject):
             self.metrics.record("rejected", 1, self.role, action.reason)
-            log.warning("kvferry %s ignored input (%s): %s", self.role, action.reason, action.detail)
+            # A peer (or an attacker) decides how many of these come: never log more than one a key
+            # per interval; the counter above counts every one.
+            log_limited(log, logging.WARNING, ("reject", action.reason), "kvferry %s ignored input (%s): %s",
+                        self.role, action.reason, action.detail)  # fmt: skip
 
     def _start_write(self, action: P.StartWrite, agent: str | None, err: str) -> None:
         key, reg, now = action.key, action.reg, time.monotonic()
@@ -453,6 +480,9 @@ class Endpoint:
             )
             return
         notif = encode(Done(reg.request_id, reg.attempt, self.engine_id, self.tp_rank, self.cfg.revision))
+        if now >= action.deadline:  # the handshake took us past the consumer's deadline
+            self._feed(self.producer.write_finished(key, reg.consumer_rank, False, "deadline", now), now)
+            return
         try:
             if self._refusal(agent, consumer_side=False, registered=reg.layout_fingerprint):
                 why = "layout_mismatch"
@@ -462,12 +492,13 @@ class Endpoint:
                 agent, action.block_ids, reg.block_ids, reg.num_tokens, notif, mode=self.cfg.descriptors
             )
         except Exception as exc:  # mapping, descriptors or NIXL: this WRITE fails, the thread serves on
-            log.warning("kvferry: write of %s to %s failed to start: %s", key, agent, exc)
+            log_limited(log, logging.WARNING, "write_start", "kvferry: write of %s to %s failed to start: %s",
+                        key, agent, exc)  # fmt: skip
             self._feed(self.producer.write_finished(key, reg.consumer_rank, False, "write_failed", now), now)
             return
         self.metrics.record("descriptors", plan.descriptors, plan.mode)
         self.metrics.record("prep_seconds", plan.prep_s, plan.mode)
-        self._writes.append(_Write(key, reg.consumer_rank, handle, now, plan))
+        self._writes.append(_Write(key, reg.consumer_rank, agent, handle, now, plan))
 
     def _refusal(self, agent: str, *, consumer_side: bool, registered: str | None = None) -> str:
         """Why KV cannot move between this rank and `agent` ("" when it can; layout.refusal), logged
@@ -481,54 +512,62 @@ class Endpoint:
         return why
 
     def _to_producers(self, action: P.Register | P.SendCancel, now: float) -> None:
-        info = self._recv.get(action.key)
-        if info is None:
+        info, expected = self._recv.get(action.key), self.consumer.expected.get(action.key)
+        if info is None or expected is None:
             return
         host, port, blocks, num_tokens = info
-        expected = self.consumer.expected.get(action.key)
-        engine = expected.producer_engine if expected else None
+        rid, attempt = action.key
         for rank in action.producer_ranks:
-            if isinstance(action, P.Register):
-                msg = encode(
-                    Registration(
-                        action.key[0],
-                        action.key[1],
-                        self.engine_id,
-                        self.tp_rank,
-                        self.tp_size,
-                        self.cfg.side_channel_host,
-                        self.side_port,
-                        self.incarnation,
-                        num_tokens,
-                        blocks,
-                        self.cfg.revision,
-                        self.layout.fingerprint,
-                    )
-                )
-            else:
-                msg = encode(Cancel(action.key[0], action.key[1], self.engine_id, self.tp_rank))
+            if isinstance(action, P.SendCancel):
+                cancel = Cancel(rid, attempt, self.engine_id, self.tp_rank, self.cfg.revision)
+                self._deliver(host, port + rank, expected.producer_engine, encode(cancel), None)
+                continue
+            deadline_unix = time.time() + expected.deadline - now
+            reg = Registration(
+                rid, attempt, self.engine_id, self.tp_rank, self.tp_size, self.cfg.side_channel_host,
+                self.side_port, self.incarnation, num_tokens, blocks, self.cfg.revision,
+                self.layout.fingerprint, deadline_unix,
+            )  # fmt: skip
+            fail = partial(self._registration_failed, action.key, expected.producer_engine, rank)
+            self._deliver(host, port + rank, expected.producer_engine, encode(reg), fail)
 
-            def sent(agent: str | None, err: str, rank: int = rank, msg: bytes = msg) -> None:
-                register = isinstance(action, P.Register)
-                if register and agent is not None and self._refusal(agent, consumer_side=True):
-                    ok, why = False, "layout_mismatch"  # never register blocks P cannot fill exactly
-                else:
-                    ok, why = self._send(agent, msg, err), "handshake_failed"
-                if not ok and register and engine:
-                    fail = Failure(action.key[0], action.key[1], engine, rank, why)
-                    self._feed(self.consumer.notice(fail, time.monotonic()), time.monotonic())
+    def _registration_failed(self, key: Key, engine: str, rank: int, why: str) -> None:
+        """Producer rank `rank` will never see our registration: count it as its Failure."""
+        now = time.monotonic()
+        self._feed(
+            self.consumer.notice(Failure(key[0], key[1], engine, rank, why, self.cfg.revision), now), now
+        )
 
-            self.peers.with_peer(host, port + rank, engine, None, sent)
+    def _deliver(
+        self, host: str, port: int, engine: str, payload: bytes, failed: Callable[[str], None] | None,
+        retried: bool = False,
+    ) -> None:  # fmt: skip
+        """Send to the producer rank at host:port. A send to a cached agent that fails means the peer
+        restarted (same engine id, new agent) or its connection broke: fetch it again and retry once,
+        so a restart never fails a request that can still be served. `failed(why)` on failure; a
+        registration is never sent to a rank whose layout we would refuse."""
+
+        def then(agent: str | None, err: str) -> None:
+            if agent is not None and failed is not None and self._refusal(agent, consumer_side=True):
+                failed("layout_mismatch")
+            elif not self._send(agent, payload, err):
+                if agent is not None and not retried:
+                    self.metrics.record("handshakes", 1, "retried")
+                    self._deliver(host, port, engine, payload, failed, retried=True)
+                elif failed is not None:
+                    failed("handshake_failed")
+
+        self.peers.with_peer(host, port, engine, None, then)
 
     def _send(self, agent: str | None, payload: bytes, err: str) -> bool:
         if agent is None:
-            log.warning("kvferry: cannot notify a peer: %s", err)
+            log_limited(log, logging.WARNING, "notify", "kvferry: cannot notify a peer: %s", err)
             return False
         try:
             self.transport.send(agent, payload)
             return True
         except Exception as exc:  # a dead or replaced peer: forget it so the next use refetches
-            log.warning("kvferry: notification to %s failed: %s", agent, exc)
+            log_limited(log, logging.WARNING, "notify", "kvferry: notification to %s failed: %s", agent, exc)
             self.peers.forget(agent)
             return False
 

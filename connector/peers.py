@@ -2,7 +2,8 @@
 
 Fetches (TCP, bounded, retried with backoff) run on a small pool of fetch threads that never touch
 NIXL; loading the fetched agent metadata into NIXL happens in `finish()`, on the endpoint thread.
-Callers pass a continuation that receives the agent name, or None and the reason.
+Callers pass a continuation that receives the agent name, or None and the reason. Pods come and go:
+`prune()` unloads agents of peers unused for `peer_idle_s` and stale agents of restarted peers.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvferry.connector.config import KvferryConfig
 from kvferry.connector.metrics import Metrics
+from kvferry.connector.ratelimit import log_limited
 from kvferry.connector.sidechannel import SideChannelError, fetch_peer
 from kvferry.connector.transport import NixlTransport
 from kvferry.connector.wire import PeerInfo, layout_from_wire
@@ -30,6 +32,7 @@ class Peers:
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvferry-fetch")
         self._fetches: dict[Addr, tuple[Future[PeerInfo], list[Then]]] = {}
         self._known: dict[Addr, tuple[str, str]] = {}  # address -> (incarnation, agent name)
+        self._used: dict[Addr, float] = {}  # address -> last use (monotonic)
 
     @property
     def fetching(self) -> int:
@@ -41,6 +44,7 @@ class Peers:
         """Run `then(agent, "")` with the loaded agent, now or after a fetch; `then(None, why)` on failure.
         A known incarnation different from the cached one (a restarted peer) forces a fetch."""
         cached = self._known.get((host, port))
+        self._used[(host, port)] = time.monotonic()
         if cached and (incarnation is None or cached[0] == incarnation):
             then(cached[1], "")
             return
@@ -52,8 +56,27 @@ class Peers:
         self._fetches[(host, port)] = (future, [then])
 
     def forget(self, agent: str) -> None:
-        """A send to `agent` failed: the next use fetches the peer again."""
+        """A send to `agent` failed: the next use fetches the peer again (prune() unloads it)."""
         self._known = {k: v for k, v in self._known.items() if v[1] != agent}
+
+    def prune(self, transport: NixlTransport, busy: set[str], now: float) -> list[str]:
+        """Unload agents no address maps to any more (forgotten, replaced) and agents of peers unused
+        for `peer_idle_s`; never one in `busy` (a WRITE to it is in flight). Returns the unloaded."""
+        for addr, used in list(self._used.items()):
+            if now - used >= self.cfg.peer_idle_s and addr not in self._fetches:
+                known = self._known.get(addr)
+                if known is None or known[1] not in busy:
+                    self._known.pop(addr, None)
+                    del self._used[addr]
+        live = {agent for _, agent in self._known.values()} | busy
+        gone = [agent for agent in transport.peers if agent not in live]
+        for agent in gone:
+            try:
+                transport.forget_peer(agent)
+            except Exception as exc:  # a dead peer may refuse removal; it is dropped from our maps anyway
+                log.debug("unloading peer agent %s: %s", agent, exc)
+                transport.peers.pop(agent, None)
+        return gone
 
     def _fetch(self, host: str, port: int, engine: str | None) -> PeerInfo:
         delay, last = 0.05, None
@@ -80,18 +103,14 @@ class Peers:
             agent, err = None, ""
             try:
                 info = future.result()
-                agent = transport.load_peer(
-                    info.agent_metadata, layout_from_wire(info.layout, info.layout_fingerprint)
-                )
-                old = self._known.get(addr)
-                if old is not None and old[1] != agent:  # the peer restarted: drop its stale agent
-                    transport.forget_peer(old[1])
-                self._known[addr] = (info.incarnation, agent)
+                layout = layout_from_wire(info.layout, info.layout_fingerprint)
+                agent = transport.load_peer(info.agent_metadata, layout, info.agent_name)
+                self._known[addr] = (info.incarnation, agent)  # a replaced agent: prune() unloads it
                 self.metrics.record("handshakes", 1, "ok")
             except Exception as exc:  # any failure fails the waiting transfers, never the thread
                 err = str(exc)
                 self.metrics.record("handshakes", 1, "failed")
-                log.warning("kvferry: peer %s:%d unavailable: %s", *addr, err)
+                log_limited(log, logging.WARNING, "peer", "kvferry: peer %s:%d unavailable: %s", *addr, err)
             for then in waiters:
                 try:
                     then(agent, err)

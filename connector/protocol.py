@@ -6,10 +6,14 @@ Keys are (request_id, attempt), so a retried request never matches an older atte
 registration. Every map is bounded in size and every entry in time:
 
 producer: finished blocks live until written or until their lease expires, but never while a WRITE
-  reads them; parked registrations expire after `registration_ttl_s`; when an entry is dropped the
-  consumer gets an explicit Failure so it fails fast instead of waiting for its deadline.
+  reads them; parked registrations expire after `registration_ttl_s` or at the consumer's deadline;
+  no WRITE starts after the consumer's deadline; when an entry is dropped the consumer gets an
+  explicit Failure so it fails fast instead of waiting for its deadline.
 consumer: an expected transfer completes when every expected producer rank has reported (Done or
-  Failure), or fails at its deadline; notices that arrive before the expectation are buffered.
+  Failure). At its deadline the outstanding ranks are cancelled and the blocks stay quarantined until
+  every rank has answered or `grace_s` more has passed: a WRITE posted just before the deadline must
+  not land in blocks vLLM has already given to another request. Notices that arrive before the
+  expectation are buffered.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class StartWrite:
     block_ids: list[list[int]]
     num_tokens: int
     registration_to_match_s: float  # how long the finished prefill waited (0: registration came first)
+    deadline: float = float("inf")  # the consumer's deadline (local clock): re-checked before posting
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ class Limits:
     registration_ttl_s: float = 60.0  # producer: how long a registration waits for its prefill
     early_notice_ttl_s: float = 60.0  # consumer: how long a notice waits for its expectation
     max_entries: int = 4096  # per map
+    grace_s: float = 2.0  # consumer: blocks stay quarantined this long past the deadline for answers
 
 
 # ---- producer -----------------------------------------------------------------------------------
@@ -123,7 +129,8 @@ class ProducerCore:
     def __init__(self, *, total_heads: int, rank: int, tp_size: int, limits: Limits = Limits()) -> None:
         self.total_heads, self.rank, self.tp_size, self.limits = total_heads, rank, tp_size, limits
         self.finished: dict[Key, _Finished] = {}
-        self.parked: OrderedDict[tuple[Key, int], tuple[Registration, float]] = OrderedDict()
+        # (key, consumer rank) -> (registration, arrived, consumer's deadline)
+        self.parked: OrderedDict[tuple[Key, int], tuple[Registration, float, float]] = OrderedDict()
         self.latest: OrderedDict[str, int] = OrderedDict()  # request_id -> newest attempt seen
         self.ended: OrderedDict[Key, str] = OrderedDict()  # recently released keys -> reason
 
@@ -142,23 +149,24 @@ class ProducerCore:
             return out + [Reject("duplicate", f"prefill of {key} finished twice")]
         self.finished[key] = _Finished(block_ids, num_tokens, consumer_engine, now, now + self.limits.lease_s)
         out += self._evict_if_full_finished(now)
-        for (k, rank), (reg, _) in list(self.parked.items()):
+        for (k, rank), (reg, _, deadline) in list(self.parked.items()):
             if k == key:
                 del self.parked[(k, rank)]
-                out += self._accept(key, reg, now)
+                out += self._accept(key, reg, now, deadline)
         return out
 
     def prefill_aborted(self, key: Key, now: float) -> list[Action]:
         """The prefill will never finish (aborted or failed): fail consumers that already registered."""
         self._note_attempt(key)
         out: list[Action] = [self._end(key, "prefill_aborted")]
-        for (k, rank), (reg, _) in list(self.parked.items()):
+        for (k, rank), (reg, _, _) in list(self.parked.items()):
             if k == key:
                 del self.parked[(k, rank)]
                 out.append(SendFailure(reg, "prefill_aborted"))
         return out
 
-    def registration(self, reg: Registration, now: float) -> list[Action]:
+    def registration(self, reg: Registration, now: float, deadline: float = float("inf")) -> list[Action]:
+        """`deadline`: the consumer's deadline on this clock; no WRITE for `reg` starts after it."""
         key = (reg.request_id, reg.attempt)
         if self._superseded(key):
             return [
@@ -175,14 +183,17 @@ class ProducerCore:
         if reg.consumer_tp <= 0 or reg.consumer_rank >= reg.consumer_tp:
             return [Reject("malformed", f"consumer rank {reg.consumer_rank} of tp {reg.consumer_tp}")]
         out = self._supersede_older(key, now)
+        if now >= deadline:
+            return out + [Reject("past_deadline", f"{key} registered after its deadline"),
+                          SendFailure(reg, "deadline")]  # fmt: skip
         if key in self.finished:
-            return out + self._accept(key, reg, now)
+            return out + self._accept(key, reg, now, deadline)
         slot = (key, reg.consumer_rank)
         if slot in self.parked:
             return out + [Reject("duplicate", f"second registration for {key} rank {reg.consumer_rank}")]
-        self.parked[slot] = (reg, now)
+        self.parked[slot] = (reg, now, deadline)
         while len(self.parked) > self.limits.max_entries:
-            (_, (old, _)) = self.parked.popitem(last=False)
+            (_, (old, _, _)) = self.parked.popitem(last=False)
             out += [
                 Reject("overflow", f"parked registrations full; dropped {old.request_id}"),
                 SendFailure(old, "producer_overloaded"),
@@ -222,8 +233,11 @@ class ProducerCore:
             if now >= entry.expires and not entry.inflight:  # never free blocks a WRITE is reading
                 out += [SendFailure(r, "lease_expired") for n, r in entry.regs.items() if n not in entry.done]
                 out.append(self._end(key, "lease_expired"))
-        for slot, (reg, since) in list(self.parked.items()):
-            if now - since >= self.limits.registration_ttl_s:
+        for slot, (reg, since, deadline) in list(self.parked.items()):
+            if now >= deadline:
+                del self.parked[slot]
+                out.append(SendFailure(reg, "deadline"))
+            elif now - since >= self.limits.registration_ttl_s:
                 del self.parked[slot]
                 out += [
                     Reject("registration_expired", f"no prefill for {slot[0]} within the TTL"),
@@ -240,7 +254,7 @@ class ProducerCore:
         }
 
     # helpers
-    def _accept(self, key: Key, reg: Registration, now: float) -> list[Action]:
+    def _accept(self, key: Key, reg: Registration, now: float, deadline: float) -> list[Action]:
         entry = self.finished[key]
         if reg.consumer_engine != entry.consumer_engine:
             return [
@@ -263,11 +277,13 @@ class ProducerCore:
         entry.targets = entry.targets or targets
         if reg.consumer_rank in entry.regs:
             return [Reject("duplicate", f"second registration for {key} rank {reg.consumer_rank}")]
+        if entry.failed or now >= deadline:  # past the deadline its blocks may hold another request
+            entry.failed = True  # (not in entry.regs: _maybe_release must not fail it a second time)
+            why = "transfer_failed" if now < deadline else "deadline"
+            return [SendFailure(reg, why)] + self._maybe_release(key, now)
         entry.regs[reg.consumer_rank] = reg
-        if entry.failed:
-            return [SendFailure(reg, "transfer_failed")] + self._maybe_release(key, now)
         entry.inflight.add(reg.consumer_rank)
-        return [StartWrite(key, reg, entry.block_ids, entry.num_tokens, now - entry.since)]
+        return [StartWrite(key, reg, entry.block_ids, entry.num_tokens, now - entry.since, deadline)]
 
     def _maybe_release(self, key: Key, now: float) -> list[Action]:
         entry = self.finished[key]
@@ -310,7 +326,7 @@ class ProducerCore:
                 continue
             out += [SendFailure(r, "superseded") for n, r in entry.regs.items() if n not in entry.done]
             out.append(self._end(old, "superseded"))
-        for (old, rank), (reg, _) in list(self.parked.items()):
+        for (old, rank), (reg, _, _) in list(self.parked.items()):
             if old[0] == key[0] and old[1] < key[1]:
                 del self.parked[(old, rank)]
                 out.append(SendFailure(reg, "superseded"))
@@ -337,7 +353,8 @@ class _Expected:
     deadline: float
     done: set[int] = field(default_factory=set)
     failures: dict[int, str] = field(default_factory=dict)
-    cancelled: bool = False
+    cancelled: bool = False  # the consumer's request ended early (abort)
+    quarantine_until: float | None = None  # set at the deadline: waiting for outstanding ranks
 
 
 class ConsumerCore:
@@ -403,11 +420,16 @@ class ConsumerCore:
     def tick(self, now: float) -> list[Action]:
         out: list[Action] = []
         for key, entry in list(self.expected.items()):
-            if now >= entry.deadline:
+            if entry.quarantine_until is not None and now >= entry.quarantine_until:
                 del self.expected[key]
-                outstanding = self._outstanding(entry)
-                out += [SendCancel(key, outstanding)] if outstanding and not entry.cancelled else []
+                ranks = self._outstanding(entry)
+                out.append(Reject("unanswered", f"{key}: producer ranks {list(ranks)} never answered; "
+                                  f"blocks released {self.limits.grace_s}s after the deadline"))  # fmt: skip
                 out.append(Failed(key, "deadline"))
+            elif entry.quarantine_until is None and now >= entry.deadline:
+                # Outstanding ranks remain (else it settled): stop them, then wait for their answers.
+                out += [SendCancel(key, self._outstanding(entry))] if not entry.cancelled else []
+                entry.quarantine_until = now + self.limits.grace_s
         for key, notices in list(self.early.items()):
             if now - notices[0][1] >= self.limits.early_notice_ttl_s:
                 del self.early[key]
@@ -415,7 +437,8 @@ class ConsumerCore:
         return out
 
     def pending(self) -> dict[str, int]:
-        return {"receives": len(self.expected), "early_notices": len(self.early)}
+        quarantined = sum(e.quarantine_until is not None for e in self.expected.values())
+        return {"receives": len(self.expected), "early_notices": len(self.early), "quarantined": quarantined}
 
     def _outstanding(self, entry: _Expected) -> tuple[int, ...]:
         return tuple(sorted(entry.ranks - entry.done - set(entry.failures)))
@@ -426,7 +449,8 @@ class ConsumerCore:
             return []
         del self.expected[key]
         if entry.failures:
-            return [Failed(key, next(iter(entry.failures.values())))]
+            late = entry.quarantine_until is not None  # "cancelled" answers to our deadline's Cancel
+            return [Failed(key, "deadline" if late else next(iter(entry.failures.values())))]
         if entry.cancelled:
             return [Failed(key, "cancelled")]
         return [Received(key, now - entry.since)]

@@ -11,6 +11,11 @@ next step is often another request's whole prefill. Only where it is safe withou
 a reorder: CPU KV caches (the forward is synchronous), no async scheduling and no pipeline
 parallelism (so the request finishes in that same step's output, before any later schedule can
 touch its blocks). `request_finished` then only holds the blocks until the worker reports them sent.
+
+Duplicate keys: a kvferry key (request_id, attempt) names one transfer. A second live request with
+the key of another (a client replaying params, a buggy router) is refused here, the one place that
+sees every request: on D it fails at once (kv_load_failure_policy), on P it frees its blocks without
+a push. Otherwise one would decode on KV nobody wrote and the other's blocks would leak.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class KvferryScheduler:
         self._early: dict[str, ProducerParams] = {}  # producer: handed over, request_finished not yet seen
         self._registered: dict[str, ConsumerParams | None] = {}  # consumer: req_id -> params (None: invalid)
         self._holding: dict[str, float] = {}  # producer: req_id -> time after which we stop stepping for it
+        self._owner: dict[tuple[str, int], str] = {}  # live kvferry key -> the vLLM request that holds it
 
     # ---- consumer ----
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -98,6 +104,10 @@ class KvferryScheduler:
             self._registered[request.request_id] = None
             self._step.invalid.append((request.request_id, str(exc)))
             return
+        if not self._claim((params.request_id, params.attempt), request.request_id):
+            self._registered[request.request_id] = None
+            self._step.invalid.append((request.request_id, "duplicate kvferry key"))
+            return
         self._registered[request.request_id] = params
         block_ids = [list(g) for g in blocks.get_block_ids()]
         num_tokens = request.num_computed_tokens + num_external_tokens
@@ -125,6 +135,8 @@ class KvferryScheduler:
                 params = parse(request.kv_transfer_params or {}, "producer", self.cfg.deadline_s)
             except ParamsError:
                 continue  # request_finished reports it
+            if not self._claim((params.request_id, params.attempt), req_id):
+                continue  # request_finished refuses it
             out.append(Finished(req_id, params, block_ids, num_tokens))
             self._early[req_id] = params
         self._candidates.clear()
@@ -142,6 +154,8 @@ class KvferryScheduler:
     ) -> tuple[bool, dict | None]:
         if not self.is_producer:
             params = self._registered.pop(request.request_id, None)
+            if params is not None:
+                self._release((params.request_id, params.attempt), request.request_id)
             if params is not None and request.status == RequestStatus.FINISHED_ABORTED:
                 # Still possibly waiting for KV: the worker cancels and reports it (bounded by the deadline).
                 self._step.aborted.append((params.request_id, params.attempt))
@@ -158,7 +172,10 @@ class KvferryScheduler:
         except ParamsError as exc:
             log.error("kvferry: prefill %s will not push its KV: %s", request.request_id, exc)
             return False, {"kvferry_error": str(exc)}
+        if not self._claim((params.request_id, params.attempt), request.request_id):
+            return False, {"kvferry_error": "duplicate kvferry key"}  # blocks freed, nothing pushed
         if request.status not in PUSHED_STATUSES:
+            self._release((params.request_id, params.attempt), request.request_id)
             self._step.aborted.append((params.request_id, params.attempt))  # consumers fail fast
             return False, None
         num_tokens = len(request.prompt_token_ids or ())
@@ -175,6 +192,22 @@ class KvferryScheduler:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_sending or ():
             self._holding.pop(req_id, None)
+        if self.is_producer and output.finished_sending:
+            done = set(output.finished_sending)
+            self._owner = {k: r for k, r in self._owner.items() if r not in done}
+
+    def _claim(self, key: tuple[str, int], req_id: str) -> bool:
+        """Make `req_id` the holder of `key`; False (logged) when another live request holds it."""
+        owner = self._owner.setdefault(key, req_id)
+        if owner != req_id:
+            log.error(
+                "kvferry: refusing request %s: kvferry key %s is in use by request %s", req_id, key, owner
+            )
+        return owner == req_id
+
+    def _release(self, key: tuple[str, int], req_id: str) -> None:
+        if self._owner.get(key) == req_id:
+            del self._owner[key]
 
     def has_pending_push_work(self) -> bool:
         """Keep the engine stepping (so results are collected) only while a push is pending, and never
@@ -185,4 +218,9 @@ class KvferryScheduler:
         return bool(self._holding)
 
     def pending(self) -> dict[str, Any]:
-        return {"registered": len(self._registered), "holding": len(self._holding), "early": len(self._early)}
+        return {
+            "registered": len(self._registered),
+            "holding": len(self._holding),
+            "early": len(self._early),
+            "keys": len(self._owner),
+        }

@@ -85,8 +85,11 @@ class NixlTransport:
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
 
-    def load_peer(self, agent_metadata: bytes, layout: KVLayout) -> str:
-        """Load a peer agent once; a reloaded peer (new incarnation = new name) replaces nothing else."""
+    def load_peer(self, agent_metadata: bytes, layout: KVLayout, agent_name: str = "") -> str:
+        """Load a peer agent; a restarted peer (new incarnation = new name) replaces nothing else. The
+        same agent again (refetched after a failed send) is unloaded first: its connection broke."""
+        if agent_name in self.peers:
+            self.forget_peer(agent_name)
         name = self.agent.add_remote_agent(agent_metadata)
         name = name.decode() if isinstance(name, bytes) else name
         self.peers[name] = Peer(name, layout)

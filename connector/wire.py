@@ -12,11 +12,14 @@ PROTOCOL_VERSION history (bump on any change to a message below; peers must be e
   3. PeerInfo.layout is the element-exact layout measured from vLLM (per-plane token and dim offset
      tables, dtype, kind) with its `layout_fingerprint`; Registration carries the consumer's
      fingerprint, so a producer never writes by a layout other than the one the consumer registered.
+  4. Registration carries the consumer's absolute deadline (`deadline_unix`, wall clock): the producer
+     never starts a WRITE after it. Failure and Cancel carry the sender's `revision` like the others.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -24,8 +27,8 @@ from typing import Any, ClassVar
 import msgpack
 from kvferry.connector.layout import KVLayout, LayoutError, PlaneMap, Region
 
-PROTOCOL_VERSION = 3
-MAGIC = b"KVF\x03"  # the last byte is PROTOCOL_VERSION, so a mismatched peer fails on the first byte check
+PROTOCOL_VERSION = 4
+MAGIC = b"KVF\x04"  # the last byte is PROTOCOL_VERSION, so a mismatched peer fails on the first byte check
 
 
 class WireError(ValueError):
@@ -64,6 +67,7 @@ class Registration:
     block_ids: list[list[int]]  # per KV group, the consumer's destination blocks
     revision: str = ""  # the consumer's revision; the producer acts only on its own
     layout_fingerprint: str = ""  # the consumer rank's layout these block ids address
+    deadline_unix: float = 0.0  # the consumer's deadline (time.time()); no WRITE may start after it
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class Failure:
     producer_engine: str
     producer_rank: int
     reason: str
+    revision: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,7 @@ class Cancel:
     attempt: int
     consumer_engine: str
     consumer_rank: int
+    revision: str = ""
 
 
 Message = PeerInfo | Registration | Done | Failure | Cancel
@@ -157,6 +163,8 @@ def _check(where: str, value: Any, hint: Any) -> None:
         raise WireError(f"{where}: expected {expected.__name__}, got {type(value).__name__}")
     if expected is int and value < 0:
         raise WireError(f"{where}: must be >= 0, got {value}")
+    if expected is float and not math.isfinite(value):
+        raise WireError(f"{where}: must be finite, got {value}")
 
 
 def layout_to_wire(layout: KVLayout) -> dict[str, Any]:

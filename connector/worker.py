@@ -109,6 +109,9 @@ class KvferryWorker:
         self._early = list(meta.early)
         for e in meta.expects:
             p = e.params
+            if not self._claim((p.request_id, p.attempt), e.req_id):
+                self._failed_now.append((e.req_id, "duplicate kvferry key"))
+                continue
             self._req_of[(p.request_id, p.attempt)] = e.req_id
             if self.cfg.kv_dump_dir or self._stage:
                 self._expected[(p.request_id, p.attempt)] = (self._kernel_ids(e.block_ids), e.num_tokens)
@@ -147,12 +150,25 @@ class KvferryWorker:
 
     def _hand_over_now(self, f: Finished, when: str, blocks: list[list[int]]) -> None:
         assert self.endpoint is not None
-        self.metrics.record("handoffs", 1, when)
         p = f.params
+        if not self._claim((p.request_id, p.attempt), f.req_id):
+            # Unreachable while the scheduler refuses duplicates (its key map mirrors ours); never
+            # report it sent: an early hand-off's request may still be running on these blocks.
+            return
+        self.metrics.record("handoffs", 1, when)
         self._req_of[(p.request_id, p.attempt)] = f.req_id
         if self.cfg.kv_dump_dir:
             self._dump((p.request_id, p.attempt), blocks, f.num_tokens)
         self.endpoint.prefill_finished(p.request_id, p.attempt, blocks, f.num_tokens, p.consumer_engine)
+
+    def _claim(self, key: Key, req_id: str) -> bool:
+        """The scheduler refuses duplicate keys; this catches one still held here (e.g. a receive in
+        quarantine) so two vLLM requests never share one transfer."""
+        owner = self._req_of.get(key, req_id)
+        if owner != req_id:
+            log.error("kvferry: request %s refused: key %s is still held by request %s", req_id, key, owner)
+            self.metrics.record("failures", 1, "producer" if self.is_producer else "consumer", "duplicate")
+        return owner == req_id
 
     def _received(self, key: Key) -> None:
         """The KV of `key` landed where NIXL writes: bring it into the engine's cache (staging), then

@@ -54,8 +54,9 @@ def wait_rejected(proc, reason: str, at_least: float) -> float:
     return rejected(proc.call("metrics"), reason)
 
 
-def reg(rid: str, engine: str) -> Registration:
-    return Registration(rid, 0, engine, 0, 1, "127.0.0.1", 1, "x", 40, [[1, 2, 3]])
+def reg(rid: str, engine: str, deadline_unix: float | None = None) -> Registration:
+    deadline = time.time() + 60.0 if deadline_unix is None else deadline_unix
+    return Registration(rid, 0, engine, 0, 1, "127.0.0.1", 1, "x", 40, [[1, 2, 3]], "", "", deadline)
 
 
 def test_producer_ignores_bad_registrations_and_keeps_working(procs, rogue):
@@ -69,8 +70,9 @@ def test_producer_ignores_bad_registrations_and_keeps_working(procs, rogue):
     rogue.send_notif(name, encode(reg("r2", "decode-0")))  # claims to be another engine
     rogue.send_notif(name, good)
     rogue.send_notif(name, good)  # duplicate
+    rogue.send_notif(name, encode(reg("r3", "decode-x", deadline_unix=0.0)))  # without a deadline
     pump(rogue)
-    assert wait_rejected(prod, "malformed", 2) == 2
+    assert wait_rejected(prod, "malformed", 3) == 3
     assert wait_rejected(prod, "unexpected_engine", 1) == 1
     assert wait_rejected(prod, "duplicate", 1) == 1
     # r1's prefill names decode-0, so decode-x's parked registration must never receive its KV

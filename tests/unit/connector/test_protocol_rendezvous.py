@@ -169,12 +169,63 @@ def test_early_notice_is_buffered_not_dropped():
     assert out[-1] == Received(("r", 0), 0.0)
 
 
-def test_deadline_turns_silence_into_failure_and_cancels_producers():
-    c = consumer()
+def test_deadline_cancels_producers_and_quarantines_blocks_until_they_answer():
+    c = consumer(grace_s=2.0)
     c.expect(("r", 0), "p0", producer_tp=1, deadline_s=2, now=0.0)
     assert c.tick(now=1.9) == []
-    assert c.tick(now=2.0) == [SendCancel(("r", 0), (0,)), Failed(("r", 0), "deadline")]
+    # A WRITE posted just before the deadline may still land: the blocks are not handed back yet.
+    assert c.tick(now=2.0) == [SendCancel(("r", 0), (0,))]
+    assert c.pending()["quarantined"] == 1 and c.tick(now=3.0) == []
+    assert c.notice(Failure("r", 0, "p0", 0, "cancelled"), now=3.1) == [Failed(("r", 0), "deadline")]
     assert c.pending()["receives"] == 0
+
+
+def test_quarantine_ends_after_grace_when_a_producer_never_answers():
+    c = consumer(grace_s=2.0)
+    c.expect(("r", 0), "p0", producer_tp=2, deadline_s=2, now=0.0)
+    c.notice(done(0), now=1.0)
+    assert c.tick(now=2.0) == [SendCancel(("r", 0), (1,))]
+    assert c.tick(now=3.9) == []
+    out = c.tick(now=4.0)
+    assert kinds(out) == ["Reject", "Failed"] and out[0].reason == "unanswered"
+    assert out[1] == Failed(("r", 0), "deadline") and c.pending()["receives"] == 0
+
+
+def test_kv_that_fully_lands_during_quarantine_is_received():
+    c = consumer()
+    c.expect(("r", 0), "p0", producer_tp=1, deadline_s=2, now=0.0)
+    c.tick(now=2.0)
+    assert c.notice(done(0), now=2.1) == [Received(("r", 0), 2.1)]
+
+
+def test_no_write_starts_after_the_consumers_deadline():
+    p = producer()
+    assert p.registration(reg(), now=0.0, deadline=5.0) == []
+    out = p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=6.0)
+    assert kinds(out) == ["SendFailure", "Release"] and out[0].reason == "deadline"
+    assert p.pending() == {"finished_blocks": 0, "registrations": 0, "inflight": 0}
+
+
+def test_parked_registration_expires_at_the_consumers_deadline_not_the_ttl():
+    p = producer(registration_ttl_s=60.0)
+    p.registration(reg(), now=0.0, deadline=5.0)
+    assert p.tick(now=4.9) == []
+    out = p.tick(now=5.0)
+    assert kinds(out) == ["SendFailure"] and out[0].reason == "deadline"
+
+
+def test_registration_arriving_after_its_deadline_is_refused():
+    p = producer()
+    p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=0.0)
+    out = p.registration(reg(), now=3.0, deadline=2.0)
+    assert kinds(out) == ["Reject", "SendFailure"] and out[1].reason == "deadline"
+
+
+def test_write_carries_the_deadline_so_the_endpoint_rechecks_it_before_posting():
+    p = producer()
+    p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=0.0)
+    (write,) = p.registration(reg(), now=1.0, deadline=7.5)
+    assert isinstance(write, StartWrite) and write.deadline == 7.5
 
 
 def test_failure_notice_fails_fast():
@@ -188,8 +239,9 @@ def test_notice_from_unexpected_engine_or_attempt_is_not_counted():
     c.expect(("r", 1), "p0", producer_tp=1, deadline_s=30, now=0.0)
     assert kinds(c.notice(done(engine="intruder", attempt=1), now=0.1)) == ["Reject"]
     assert c.notice(done(attempt=0), now=0.1) == []  # old attempt: buffered, never matches attempt 1
-    assert c.pending() == {"receives": 1, "early_notices": 1}
-    assert kinds(c.tick(now=100.0)) == ["SendCancel", "Failed", "Reject"]
+    assert c.pending() == {"receives": 1, "early_notices": 1, "quarantined": 0}
+    assert kinds(c.tick(now=100.0)) == ["SendCancel", "Reject"]
+    assert kinds(c.tick(now=103.0)) == ["Reject", "Failed"]
 
 
 def test_abort_waits_for_inflight_writes_then_reports_failure():

@@ -162,3 +162,49 @@ def test_other_prefills_are_handed_over_when_they_finish(enabled, max_tokens, sc
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     assert s.request_finished(req, ([4, 5, 6],))[0] is True
     assert [f.req_id for f in s.build_connector_meta(step("other", 1)).finished] == [req.request_id]
+
+
+def test_a_second_decode_request_with_a_live_key_is_refused_and_the_first_is_kept():
+    s = KvferryScheduler(KvferryConfig.from_extra({"backends": ["UCX"]}), is_producer=False)
+    first, second = request(DECODE), request(DECODE)
+    second.request_id = "cmpl-replayed"
+    for req in (first, second):
+        s.get_num_new_matched_tokens(req, 0)
+        s.update_state_after_alloc(req, BLOCKS, 300)
+    meta = s.build_connector_meta(None)
+    assert [e.req_id for e in meta.expects] == [first.request_id]
+    assert meta.invalid == [("cmpl-replayed", "duplicate kvferry key")]
+    first.status = RequestStatus.FINISHED_STOPPED
+    s.request_finished(first, ([4, 5, 6],))
+    s.request_finished(second, ([4, 5, 6],))
+    third = request(DECODE)  # once the first ended, the key may be used again (the worker guards quarantine)
+    third.request_id = "cmpl-third"
+    s.update_state_after_alloc(third, BLOCKS, 300)
+    assert [e.req_id for e in s.build_connector_meta(None).expects] == ["cmpl-third"]
+
+
+def test_a_second_prefill_with_a_live_key_frees_its_blocks_without_a_push():
+    s = KvferryScheduler(KvferryConfig.from_extra({"backends": ["UCX"]}), is_producer=True)
+    first = request(PREFILL, RequestStatus.FINISHED_LENGTH_CAPPED)
+    second = request(PREFILL, RequestStatus.FINISHED_LENGTH_CAPPED)
+    second.request_id = "cmpl-replayed"
+    assert s.request_finished(first, ([1, 2, 3],))[0] is True
+    hold, params = s.request_finished(second, ([7, 8],))
+    assert not hold and params == {"kvferry_error": "duplicate kvferry key"}
+    assert [f.req_id for f in s.build_connector_meta(None).finished] == [first.request_id]
+    s.update_connector_output(SimpleNamespace(finished_sending={first.request_id}))
+    assert s.pending()["keys"] == 0
+
+
+def test_a_duplicate_early_prefill_is_not_handed_over():
+    s = early_scheduler()
+    first, second = prefill_leg(), prefill_leg()
+    second.request_id = "cmpl-replayed"
+    s.update_state_after_alloc(first, BLOCKS, 0)
+    s.update_state_after_alloc(second, BLOCKS, 0)
+    meta = s.build_connector_meta(
+        SimpleNamespace(num_scheduled_tokens={first.request_id: 300, "cmpl-replayed": 300})
+    )
+    assert [f.req_id for f in meta.early] == [first.request_id]
+    second.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert s.request_finished(second, ([4, 5, 6],))[0] is False

@@ -1,0 +1,72 @@
+"""Peers that restart or stop answering, on real NIXL agents in separate processes.
+
+- A producer restarted with the same engine id and side channel (new NIXL agent) is handshaken
+  again transparently: the consumer's cached agent is stale, its send fails, it refetches and retries.
+- A producer frozen (SIGSTOP) past the consumer's deadline: the consumer keeps its blocks quarantined
+  for `grace_s`, then fails the receive; when the producer resumes it never writes after the deadline
+  the registration carried, so the consumer's (possibly reused) blocks stay untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from kvferry.connector.hostkv import CacheShape
+from kvferry.connector.promtext import metric_sum, parse_metrics
+
+from tests.nixl.helpers import expect_args, free_port_pair
+
+pytestmark = pytest.mark.nixl
+SHAPE = CacheShape(block_size=16)
+
+
+def transfer(prod, cons, rid, blocks=(1, 2, 3), tokens=40):
+    cons.call("expect", rid, 0, expect_args(prod, list(blocks), tokens))
+    prod.call("finish", rid, 0, list(blocks), tokens, "decode-0")
+    out = cons.call("results", 20.0, 1)
+    assert prod.call("results", 20.0, 1)["sent"] == [(rid, 0)]
+    return out
+
+
+def test_a_restarted_producer_is_handshaken_again_and_no_request_fails(procs):
+    port = free_port_pair()
+    (prod,) = procs.start("producer", "prefill-0", SHAPE, side_channel_port=port)
+    (cons,) = procs.start("consumer", "decode-0", SHAPE)
+    assert transfer(prod, cons, "before")["received"] == [("before", 0)]  # D now caches P's agent
+    prod.kill()
+    (prod,) = procs.start("producer", "prefill-0", SHAPE, side_channel_port=port)  # same id and port
+    out = transfer(prod, cons, "after", blocks=(4, 5, 6))
+    assert out == {"sent": [], "released": [], "received": [("after", 0)], "failed": []}
+    assert cons.call("mismatches", [4, 5, 6], 40) == 0
+    handshakes = parse_metrics(cons.call("metrics"))
+    assert metric_sum(handshakes, "kvferry_handshakes_total", result="retried") == 1
+    assert metric_sum(handshakes, "kvferry_handshakes_total", result="ok") == 2
+
+
+def test_a_frozen_producer_never_writes_after_the_consumers_deadline(procs):
+    (prod,) = procs.start("producer", "prefill-0", SHAPE)
+    (cons,) = procs.start("consumer", "decode-0", SHAPE, grace_s=1.0)
+    transfer(prod, cons, "warm")  # both agents loaded: no handshake in what follows
+    blocks = [7, 8, 9]
+    cons.call("expect", "r", 0, expect_args(prod, blocks, 40, deadline_s=2.0))
+    time.sleep(0.5)  # the registration is parked on P
+    os.kill(prod.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        failed = cons.call("results", 10.0, 1)["failed"]
+        took = time.monotonic() - t0
+        # Quarantined past the deadline (1.5 s from here) for grace_s, then released.
+        assert failed == [(("r", 0), "deadline")] and 2.0 <= took < 6.0, (failed, took)
+        finishing = threading.Thread(target=prod.call, args=("finish", "r", 0, [1, 2, 3], 40, "decode-0"))
+        finishing.start()  # queued in the frozen process: it runs when P resumes
+    finally:
+        os.kill(prod.pid, signal.SIGCONT)
+    finishing.join(30)
+    released = prod.call("results", 10.0, 1)["released"]  # its blocks go back without a WRITE
+    assert released and released[0][0] == ("r", 0), released
+    assert metric_sum(parse_metrics(prod.call("metrics")), "kvferry_transfers_total") == 1  # warm only
+    assert cons.call("mismatches", blocks, 40) > 0  # nothing landed in D's released blocks
