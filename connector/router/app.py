@@ -21,9 +21,9 @@ from kvferry.connector.router.aggregate import Aggregator
 from kvferry.connector.router.config import RouterConfig
 from kvferry.connector.router.discovery import make_discovery
 from kvferry.connector.router.dispatch import Dispatcher, OpenLeg, new_request_id
-from kvferry.connector.router.errors import ApiError, error_body
+from kvferry.connector.router.errors import RETRY_AFTER_S, ApiError, error_body
 from kvferry.connector.router.metrics import RouterMetrics
-from kvferry.connector.router.selection import LoadTracker, NoBackendError, Selector
+from kvferry.connector.router.selection import LoadTracker, NoBackendError, OverloadedError, Selector
 
 log = logging.getLogger(__name__)
 SCRAPE_INTERVAL_S = 2.0
@@ -56,7 +56,7 @@ def _auth_middleware(api_key: str | None) -> Any:
             return await handler(request)
         except ApiError as exc:
             state["metrics"].errors_by_status.labels(str(exc.status)).inc()
-            return web.json_response(exc.body(), status=exc.status)
+            return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -82,6 +82,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         prefill, decode = state["selector"].choose(state["discovery"].current())
     except NoBackendError as exc:
         raise ApiError(503, str(exc), "no_backend") from None
+    except OverloadedError as exc:
+        metrics.overloaded.labels(exc.role).inc()
+        raise ApiError(429, str(exc), "overloaded", headers={"Retry-After": RETRY_AFTER_S}) from None
     outcome = "error"
     try:
         leg = await state["dispatcher"].run(req, prefill, decode, rid)
@@ -249,7 +252,7 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     app[STATE] = {
         "metrics": RouterMetrics(),
         "tracker": tracker,
-        "selector": Selector(cfg.policy, tracker),
+        "selector": Selector(cfg.policy, tracker, cfg.limits.max_in_flight_per_engine),
         "discovery": make_discovery(cfg.static, cfg.kubernetes),
     }
     app.router.add_post(legs.COMPLETIONS, _generate)

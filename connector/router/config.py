@@ -42,6 +42,18 @@ class Deadlines:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """Overload control. The in-flight limit counts the legs this router has open on one engine
+    (vLLM's default max_num_seqs is 256: beyond that requests only queue inside the engine). The
+    recompute budget lets local recomputes add at most recompute_ratio of recent requests' work,
+    plus a burst of recompute_burst."""
+
+    max_in_flight_per_engine: int = 256
+    recompute_ratio: float = 0.2
+    recompute_burst: int = 10
+
+
+@dataclass(frozen=True)
 class KubernetesDiscoveryConfig:
     namespace: str
     prefill_service: str
@@ -67,6 +79,7 @@ class RouterConfig:
     model: str | None = None
     policy: str = "least-loaded"
     deadlines: Deadlines = field(default_factory=Deadlines)
+    limits: Limits = field(default_factory=Limits)
     static: dict[str, tuple[Endpoint, ...]] | None = None
     kubernetes: KubernetesDiscoveryConfig | None = None
     auth: AuthConfig = field(default_factory=AuthConfig)
@@ -102,6 +115,18 @@ def _positive(value: Any, path: str, kind: type = float) -> Any:
     if kind is int and int(value) != value:
         raise ConfigError(f"{path}: expected an integer, got {value!r}")
     return kind(value)
+
+
+def _count(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{path}: expected a non-negative integer, got {value!r}")
+    return value
+
+
+def _fraction(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"{path}: expected a number from 0 to 1, got {value!r}")
+    return float(value)
 
 
 def _port(value: Any, path: str) -> int:
@@ -173,6 +198,16 @@ def _deadlines(value: Any, path: str) -> Deadlines:
     return d
 
 
+def _limits(value: Any, path: str) -> Limits:
+    checks = {
+        "max_in_flight_per_engine": lambda v, p: _positive(v, p, int),
+        "recompute_ratio": _fraction,
+        "recompute_burst": _count,
+    }
+    raw = _mapping(value, path, set(checks))
+    return Limits(**{k: checks[k](v, f"{path}.{k}") for k, v in raw.items()})
+
+
 def _auth(value: Any, path: str) -> AuthConfig:
     raw = _mapping(value, path, {"api_key_env", "api_key_file"})
     if len(raw) != 1:
@@ -183,7 +218,7 @@ def _auth(value: Any, path: str) -> AuthConfig:
 
 def parse_config(raw: Any) -> RouterConfig:
     """Validate a decoded router.yaml document."""
-    keys = {"listen", "mode", "model", "policy", "deadlines", "discovery", "auth"}
+    keys = {"listen", "mode", "model", "policy", "deadlines", "limits", "discovery", "auth"}
     doc = _mapping(raw, "config", keys, {"mode", "discovery"})
     listen = _mapping(doc.get("listen", {}), "listen", {"host", "port"})
     discovery = _mapping(doc["discovery"], "discovery", {"static", "kubernetes"})
@@ -197,6 +232,7 @@ def parse_config(raw: Any) -> RouterConfig:
         model=None if model is None else _str(model, "model"),
         policy=_choice(doc.get("policy", "least-loaded"), "policy", POLICIES),
         deadlines=_deadlines(doc.get("deadlines", {}), "deadlines"),
+        limits=_limits(doc.get("limits", {}), "limits"),
         static=_static(discovery["static"], "discovery.static") if "static" in discovery else None,
         kubernetes=(
             _kubernetes(discovery["kubernetes"], "discovery.kubernetes")

@@ -24,8 +24,9 @@ from typing import Any
 import aiohttp
 from kvferry.connector.router import params as legs
 from kvferry.connector.router.aggregate import can_aggregate, streaming_body
+from kvferry.connector.router.budget import RecomputeBudget
 from kvferry.connector.router.config import Endpoint, RouterConfig
-from kvferry.connector.router.errors import ApiError, LegError
+from kvferry.connector.router.errors import RETRY_AFTER_S, ApiError, LegError
 from kvferry.connector.router.metrics import RouterMetrics
 from kvferry.connector.router.selection import LoadTracker
 from kvferry.connector.router.sse import FirstEvent, FirstEventScanner
@@ -61,6 +62,7 @@ class Dispatcher:
         self.tracker = tracker
         self.metrics = metrics
         self.detached: set[asyncio.Task[Any]] = set()
+        self.budget = RecomputeBudget(cfg.limits.recompute_ratio, cfg.limits.recompute_burst)
 
     # -- legs -------------------------------------------------------------------------------------
 
@@ -198,6 +200,7 @@ class Dispatcher:
         """Both legs per mode; on a retryable failure, recompute locally on the other engine."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.deadlines.total_s
+        self.budget.deposit()
         try:
             if self.cfg.mode == "vllm-pull":
                 return await self._pull(req, prefill, decode, rid, deadline)
@@ -206,8 +209,20 @@ class Dispatcher:
             remaining = deadline - loop.time()
             if not exc.retryable or remaining <= 1.0:
                 raise exc.as_api_error() from None
+            if not self.budget.withdraw():
+                raise self._budget_spent(exc) from None
             target = decode if exc.leg == "prefill" else prefill
             return await self._recompute(req, target, rid, exc, deadline)
+
+    def _budget_spent(self, cause: LegError) -> ApiError:
+        reason = f"{cause.leg}_{cause.reason}"
+        self.metrics.recomputes_refused.labels(reason).inc()
+        limits = self.cfg.limits
+        msg = (
+            f"{cause.message}; not recomputed: the recompute budget is exhausted (at most "
+            f"{limits.recompute_ratio:g} of recent requests plus {limits.recompute_burst})"
+        )
+        return ApiError(503, msg, "recompute_budget_exhausted", headers={"Retry-After": RETRY_AFTER_S})
 
     def _decode(
         self, req: legs.ClientRequest, ep: Endpoint, params: dict[str, Any] | None, rid: str, deadline: float,

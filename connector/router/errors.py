@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+RETRY_AFTER_S = "1"  # on 429 and budget 503s: overload is short-lived, in-flight legs end within seconds
+
 # status -> OpenAI error type
 _TYPES = {
     400: "invalid_request_error",
@@ -15,6 +17,7 @@ _TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     502: "upstream_error",
     503: "service_unavailable",
     504: "timeout",
@@ -24,12 +27,16 @@ _TYPES = {
 class ApiError(Exception):
     """A failure with the HTTP status and OpenAI error fields to report it with."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, code: str | None = None, param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.headers = headers  # e.g. Retry-After on 429 and 503
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.code, self.param)

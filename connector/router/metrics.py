@@ -33,6 +33,14 @@ class RouterMetrics:
             "kvferry_router_recomputes", "Requests answered by a local recompute after a leg failed",
             ["reason"], registry=r,
         )  # fmt: skip
+        self.overloaded = Counter(
+            "kvferry_router_overloaded", "Requests refused with 429: every engine of the role was at "
+            "limits.max_in_flight_per_engine", ["role"], registry=r,
+        )  # fmt: skip
+        self.recomputes_refused = Counter(
+            "kvferry_router_recomputes_refused", "Failed legs not recomputed because the recompute budget "
+            "was spent (the client got a 503), by the failure", ["reason"], registry=r,
+        )  # fmt: skip
         self.in_flight = Gauge(
             "kvferry_router_in_flight", "Legs in flight per engine", ["role", "engine_id"], registry=r
         )

@@ -21,6 +21,16 @@ class NoBackendError(Exception):
     """No usable engine pair; the message says which role is missing."""
 
 
+class OverloadedError(Exception):
+    """Every engine of a role that could serve the request is at its in-flight limit."""
+
+    def __init__(self, role: str, limit: int) -> None:
+        super().__init__(
+            f"every {role} engine is at its limit of {limit} requests in flight; retry after a moment"
+        )
+        self.role = role
+
+
 @dataclass
 class EngineLoad:
     """What the router knows about one engine's load."""
@@ -56,6 +66,9 @@ class LoadTracker:
     def mark_down(self, ep: Endpoint, now: float | None = None) -> None:
         self.loads[ep.url].down_until = (time.monotonic() if now is None else now) + self.cooldown_s
 
+    def has_room(self, ep: Endpoint, limit: int) -> bool:
+        return self.loads[ep.url].in_flight < limit
+
     def is_up(self, ep: Endpoint, now: float | None = None) -> bool:
         return self.loads[ep.url].down_until <= (time.monotonic() if now is None else now)
 
@@ -73,15 +86,22 @@ class LoadTracker:
 class Selector:
     """Chooses (prefill, decode) pairs by policy over the current pool."""
 
-    def __init__(self, policy: str, tracker: LoadTracker) -> None:
+    def __init__(self, policy: str, tracker: LoadTracker, max_in_flight: int = 256) -> None:
         self.policy = policy
         self.tracker = tracker
+        self.max_in_flight = max_in_flight
         self._rr = {role: itertools.count() for role in ("prefill", "decode")}
 
-    def _usable(self, endpoints: tuple[Endpoint, ...], now: float) -> list[Endpoint]:
+    def _usable(self, endpoints: list[Endpoint], now: float) -> list[Endpoint]:
         up = [e for e in endpoints if self.tracker.is_up(e, now)]
         # When every engine of a role is cooling down, try them anyway: an error beats a refusal.
         return up or list(endpoints)
+
+    def _with_room(self, endpoints: list[Endpoint], role: str) -> list[Endpoint]:
+        roomy = [e for e in endpoints if self.tracker.has_room(e, self.max_in_flight)]
+        if not roomy:
+            raise OverloadedError(role, self.max_in_flight)
+        return roomy
 
     def choose(self, pool: Pool, now: float | None = None) -> tuple[Endpoint, Endpoint]:
         now = time.monotonic() if now is None else now
@@ -90,18 +110,23 @@ class Selector:
         if not pool.prefill:
             raise NoBackendError("no prefill engine is available")
         prefill_revisions = {p.revision for p in pool.prefill}
-        decodes = [d for d in self._usable(pool.decode, now) if d.revision in prefill_revisions]
+        decodes = [d for d in pool.decode if d.revision in prefill_revisions]
         if not decodes:
             raise NoBackendError(
                 f"no decode engine shares a revision with a prefill engine "
                 f"(prefill revisions {sorted(prefill_revisions)}, "
                 f"decode revisions {sorted({d.revision for d in pool.decode})})"
             )
-        decode = self._pick(decodes)
-        prefills = [p for p in self._usable(pool.prefill, now) if p.revision == decode.revision]
-        if not prefills:
-            raise NoBackendError(f"no prefill engine of revision {decode.revision!r} is available")
-        return self._pick(prefills), decode
+        decodes = self._with_room(decodes, "decode")
+        prefills = self._with_room(list(pool.prefill), "prefill")
+        # Only revisions whose P has room: a D paired with no free P would be refused anyway.
+        revisions = {p.revision for p in prefills}
+        paired = [d for d in decodes if d.revision in revisions]
+        if not paired:
+            raise OverloadedError("prefill", self.max_in_flight)
+        decode = self._pick(self._usable(paired, now))
+        prefills = [p for p in prefills if p.revision == decode.revision]
+        return self._pick(self._usable(prefills, now)), decode
 
     def _pick(self, candidates: list[Endpoint]) -> Endpoint:
         if self.policy == "round-robin":

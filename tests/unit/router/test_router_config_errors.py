@@ -16,6 +16,7 @@ VALID: dict[str, Any] = {
     "model": "tiny",
     "policy": "least-loaded",
     "deadlines": {"prefill_s": 60, "decode_first_token_s": 60, "transfer_s": 30, "total_s": 600},
+    "limits": {"max_in_flight_per_engine": 64, "recompute_ratio": 0.1, "recompute_burst": 5},
     "discovery": {
         "static": {
             "prefill": [{"url": "http://127.0.0.1:8100", "engine_id": "prefill-0", "side_host": "127.0.0.1",
@@ -33,6 +34,17 @@ def test_contract_example_parses() -> None:
     assert cfg.static is not None
     assert [e.engine_id for e in cfg.static["decode"]] == ["decode-0"]
     assert cfg.static["prefill"][0].side_port == 5600 and cfg.static["prefill"][0].role == "prefill"
+    assert (cfg.limits.max_in_flight_per_engine, cfg.limits.recompute_ratio) == (64, 0.1)
+    assert cfg.limits.recompute_burst == 5
+
+
+def test_limits_default_when_absent() -> None:
+    doc = copy.deepcopy(VALID)
+    del doc["limits"]
+    limits = parse_config(doc).limits
+    assert (limits.max_in_flight_per_engine, limits.recompute_ratio, limits.recompute_burst) == (256, 0.2, 10)
+    partial = parse_config({**VALID, "limits": {"recompute_ratio": 0}}).limits
+    assert partial.recompute_ratio == 0 and partial.max_in_flight_per_engine == 256
 
 
 def test_kubernetes_discovery_parses_with_defaults() -> None:
@@ -70,6 +82,12 @@ def _broken(path: list[Any], value: Any) -> dict[str, Any]:
             "discovery: give exactly one of static, kubernetes",
         ),
         (["auth"], {"api_key_env": "A", "api_key_file": "/k"}, "auth: give exactly one of"),
+        (["limits", "max_in_flight_per_engine"], 0, "limits.max_in_flight_per_engine: expected a positive"),
+        (["limits", "max_in_flight_per_engine"], 2.5, "limits.max_in_flight_per_engine: expected an integer"),
+        (["limits", "recompute_ratio"], 1.5, "limits.recompute_ratio: expected a number from 0 to 1"),
+        (["limits", "recompute_ratio"], True, "limits.recompute_ratio: expected a number from 0 to 1"),
+        (["limits", "recompute_burst"], -1, "limits.recompute_burst: expected a non-negative integer"),
+        (["limits", "max_queue"], 3, "limits: unknown key(s) ['max_queue']"),
     ],
 )
 def test_bad_config_names_the_path(path: list[Any], value: Any, message: str) -> None:
