@@ -4,8 +4,9 @@
   P's leg is bounded by prefill_s; D's first-token clock starts only when P's leg finished, so a slow
   P is never blamed on D (D cannot produce a token before its KV exists).
 - vllm-pull: P first, then D with P's returned kv_transfer_params verbatim.
-- A failed or stuck leg ends in a local recompute on the other engine of the pair (while time is
-  left) or in a clear OpenAI-style error; nothing waits without a bound.
+- A failed or stuck leg (an error event before D's first token included) ends in a local recompute
+  on the other engine of the pair (while time is left and the recompute budget allows) or in a clear
+  OpenAI-style error; nothing waits without a bound.
 - The prefill leg is never cancelled once D depends on it (that strands D waiting for KV): when the
   client goes away, P is left to finish in the background and D's connection is closed, which makes
   vLLM abort the decode request.
@@ -230,7 +231,7 @@ class Dispatcher:
     ) -> Awaitable[OpenLeg]:  # fmt: skip
         """The decode leg (or a recompute when params is None), streamed whenever it can be, so that
         D's first token is visible and bounded by decode_first_token_s (unless first_token_bound is
-        False: push bounds it from P's finish, in _push)."""
+        False: push modes bound it from P's finish, in _after_prefill)."""
         body = legs.decode_body(req.body, params)
         aggregate = can_aggregate(req.body)
         if aggregate:
