@@ -18,14 +18,13 @@ import queue
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 from kvferry.connector import protocol as P
 from kvferry.connector.config import KvferryConfig
+from kvferry.connector.intake import admit
 from kvferry.connector.layout import KVLayout, refusal
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.peers import Peers
@@ -33,18 +32,17 @@ from kvferry.connector.preflight import backend_checks, efa_checks
 from kvferry.connector.preflight import record as record_checks
 from kvferry.connector.ratelimit import log_limited
 from kvferry.connector.sidechannel import SideChannelServer
-from kvferry.connector.transport import NixlTransport, WritePlan
+from kvferry.connector.transport import NixlTransport
 from kvferry.connector.wire import (
     Cancel,
     Done,
     Failure,
     PeerInfo,
     Registration,
-    WireError,
-    decode,
     encode,
     layout_to_wire,
 )
+from kvferry.connector.writes import InFlight, Write
 
 log = logging.getLogger(__name__)
 Key = P.Key
@@ -64,32 +62,6 @@ class Results:
         return bool(self.sent or self.released or self.received or self.failed)
 
 
-@dataclass
-class _Write:
-    key: Key
-    rank: int
-    agent: str
-    handle: Any
-    started: float
-    plan: WritePlan
-
-
-@dataclass(frozen=True)
-class WriteRecord:
-    """One completed WRITE, kept in a short ring for the benchmark and debugging."""
-
-    mode: str
-    descriptors: int
-    nbytes: int
-    prep_s: float
-    write_s: float
-
-
-def engine_of(agent_name: str) -> str:
-    """Agent names are `<engine>/<rank>/<incarnation>`: the sender's engine, verified on every message."""
-    return agent_name.rsplit("/", 2)[0]
-
-
 class Endpoint:
     def __init__(
         self,
@@ -104,13 +76,8 @@ class Endpoint:
     ) -> None:
         if role not in ("producer", "consumer"):
             raise ValueError(f"role must be producer or consumer, got {role!r}")
-        self.cfg, self.role, self.engine_id, self.tp_rank, self.tp_size = (
-            cfg,
-            role,
-            engine_id,
-            tp_rank,
-            tp_size,
-        )
+        self.cfg, self.role, self.engine_id = cfg, role, engine_id
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.layout, self.metrics = layout, metrics or Metrics()
         self.incarnation = uuid.uuid4().hex[:8]
         self.agent_name = f"{engine_id}/{tp_rank}/{self.incarnation}"
@@ -127,9 +94,9 @@ class Endpoint:
         self._startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"kvferry-{role}-{tp_rank}", daemon=True)
         self.peers = Peers(cfg, self.metrics, self._wake.set)
-        self._writes: list[_Write] = []
+        self.writes = InFlight(cfg.deadline_s)
         self._last_pending: dict[str, int] = {}
-        self.recent: deque[WriteRecord] = deque(maxlen=256)  # appended by the thread; read after the fact
+        self.recent = self.writes.recent  # completed WRITEs (benchmark, debugging)
         self._recv: dict[Key, tuple[str, int, list[list[int]], int]] = {}  # consumer: host, port, blocks, n
         self.transport: NixlTransport | None = None
         self.side: SideChannelServer | None = None
@@ -244,7 +211,7 @@ class Endpoint:
             active = self._round()
             cap = min(self.cfg.poll_min_s * 8, self.cfg.poll_max_s) if self._busy() else self.cfg.poll_max_s
             # A WRITE in flight is short and on the critical path: poll it at full rate.
-            fast = active or bool(self._writes)
+            fast = active or bool(self.writes)
             interval = self.cfg.poll_min_s if fast else min(interval * 2, cap)
             self._wake.wait(interval)
             self._wake.clear()
@@ -263,15 +230,9 @@ class Endpoint:
                 log.warning("kvferry preflight: %s: %s", c.name, c.detail)
         self.transport.register(self.layout)
         info = PeerInfo(
-            self.engine_id,
-            self.agent_name,
-            self.transport.metadata(),
-            self.tp_rank,
-            self.tp_size,
-            self.incarnation,
-            layout_to_wire(self.layout),
-            self.layout.fingerprint,
-        )
+            self.engine_id, self.agent_name, self.transport.metadata(), self.tp_rank, self.tp_size,
+            self.incarnation, layout_to_wire(self.layout), self.layout.fingerprint,
+        )  # fmt: skip
         port = self.cfg.side_channel_port + self.tp_rank if self.cfg.side_channel_port else 0  # 0: any port
         self.side = SideChannelServer(self.cfg.side_channel_host, port, encode(info))
 
@@ -279,15 +240,11 @@ class Endpoint:
         if self.side is not None:
             self.side.close()
         if self.transport is not None:
-            for w in self._writes:  # still in flight at shutdown: let NIXL finish or fail them
-                try:
-                    self.transport.release(w.handle)
-                except Exception as exc:
-                    log.debug("releasing a write at shutdown: %s", exc)
+            self.writes.release_all(self.transport)
             self.transport.close()
 
     def _busy(self) -> bool:
-        return bool(self._writes or self.peers.fetching or (self.consumer and self.consumer.expected))
+        return bool(self.writes or self.peers.fetching or (self.consumer and self.consumer.expected))
 
     def _round(self) -> bool:
         now = time.monotonic()
@@ -309,7 +266,7 @@ class Endpoint:
         actions += core.tick(now)
         if now >= self._next_prune:  # pods come and go: unload agents nobody uses
             self._next_prune = now + PRUNE_EVERY_S
-            self._refused -= set(self.peers.prune(self.transport, {w.agent for w in self._writes}, now))
+            self._refused -= set(self.peers.prune(self.transport, self.writes.agents(), now))
         for action in actions:
             try:
                 self._do(action, now)
@@ -327,7 +284,7 @@ class Endpoint:
         for sender, messages in self.transport.notifs().items():
             for raw in messages:
                 try:
-                    out += self._on_message(engine_of(sender), raw, now)
+                    out += self._on_message(sender, raw, now)
                 except Exception as exc:  # e.g. a registration whose TP cannot split the heads
                     out.append(P.Reject("invalid", f"from {sender}: {type(exc).__name__}: {exc}"))
         return out
@@ -354,62 +311,27 @@ class Endpoint:
         else:
             self._publish(lambda r: r.released.append((key, "rejected")))
 
-    def _on_message(self, sender: str, raw: bytes, now: float) -> list[P.Action]:
-        try:
-            msg = decode(raw)
-        except WireError as exc:
-            return [P.Reject("malformed", f"from {sender}: {exc}")]
-        claimed = getattr(msg, "consumer_engine", None) or getattr(msg, "producer_engine", None)
-        if claimed != sender:  # the NIXL agent name is the sender's identity, not the message's claim
-            return [
-                P.Reject("unexpected_engine", f"{type(msg).__name__} claiming {claimed} sent by {sender}")
-            ]
-        revision = getattr(msg, "revision", self.cfg.revision)
-        if revision != self.cfg.revision:  # P and D of different revisions never exchange KV
-            return [
-                P.Reject("wrong_revision", f"{type(msg).__name__} of revision {revision!r} from {sender}")
-            ]
-        if self.producer is not None and isinstance(msg, Registration):
-            if msg.deadline_unix <= 0:
-                return [P.Reject("malformed", f"registration for {msg.request_id} without a deadline")]
+    def _on_message(self, sender_agent: str, raw: bytes, now: float) -> list[P.Action]:
+        msg = admit(raw, sender_agent, self.role, self.cfg.revision)
+        if isinstance(msg, P.Reject):
+            return [msg]
+        if isinstance(msg, Registration):
             # Wall clock across hosts (NTP-synced; the consumer's grace_s covers the skew), ours after.
             return self.producer.registration(msg, now, now + msg.deadline_unix - time.time())
-        if self.producer is not None and isinstance(msg, Cancel):
-            return self.producer.cancel(
-                (msg.request_id, msg.attempt), msg.consumer_engine, msg.consumer_rank, now
-            )
-        if self.consumer is not None and isinstance(msg, Done | Failure):
-            return self.consumer.notice(msg, now)
-        return [P.Reject("unexpected_message", f"{type(msg).__name__} from {sender} on a {self.role}")]
+        if isinstance(msg, Cancel):
+            key = (msg.request_id, msg.attempt)
+            return self.producer.cancel(key, msg.consumer_engine, msg.consumer_rank, now)
+        return self.consumer.notice(msg, now)
 
     def _check_writes(self, now: float) -> list[P.Action]:
         out: list[P.Action] = []
-        for w in list(self._writes):
-            state = self.transport.state(w.handle)
-            timed_out = state == "PROC" and now - w.started > self.cfg.deadline_s
-            if state == "PROC" and not timed_out:
-                continue
-            try:
-                self.transport.release(w.handle)
-            except Exception as exc:  # NIXL refuses to release a live transfer: keep the blocks held
-                log_limited(log, logging.WARNING, "unreleasable", "kvferry: write %s to rank %d still "
-                            "active after %.1fs: %s", w.key, w.rank, now - w.started, exc)  # fmt: skip
-                continue
-            self._writes.remove(w)
-            ok = state == "DONE"
-            if ok:
+        for o in self.writes.check(self.transport, now):
+            w = o.write
+            if o.ok:
                 self.metrics.record("bytes", w.plan.nbytes, self.role, self.transport.backend)
                 self.metrics.record("match_to_done", now - w.started)
                 self.metrics.record("transfers", 1, self.role)
-                p = w.plan
-                self.recent.append(WriteRecord(p.mode, p.descriptors, p.nbytes, p.prep_s, now - w.started))
-            out += self.producer.write_finished(
-                w.key,
-                w.rank,
-                ok,
-                "write_failed" if state == "ERR" else "write_timeout" if not ok else "",
-                now,
-            )
+            out += self.producer.write_finished(w.key, w.rank, o.ok, o.reason, now)
         return out
 
     # ---- actions ----
@@ -498,7 +420,7 @@ class Endpoint:
             return
         self.metrics.record("descriptors", plan.descriptors, plan.mode)
         self.metrics.record("prep_seconds", plan.prep_s, plan.mode)
-        self._writes.append(_Write(key, reg.consumer_rank, agent, handle, now, plan))
+        self.writes.add(Write(key, reg.consumer_rank, agent, handle, now, plan))
 
     def _refusal(self, agent: str, *, consumer_side: bool, registered: str | None = None) -> str:
         """Why KV cannot move between this rank and `agent` ("" when it can; layout.refusal), logged
