@@ -18,7 +18,7 @@ from aiohttp import web
 from kvferry.connector.promtext import metric_sum, parse_metrics
 from kvferry.connector.router import params as legs
 from kvferry.connector.router.aggregate import Aggregator
-from kvferry.connector.router.config import RouterConfig
+from kvferry.connector.router.config import Endpoint, RouterConfig
 from kvferry.connector.router.discovery import make_discovery
 from kvferry.connector.router.dispatch import Dispatcher, OpenLeg, new_request_id
 from kvferry.connector.router.errors import RETRY_AFTER_S, ApiError, error_body
@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 SCRAPE_INTERVAL_S = 2.0
 MAX_BODY_BYTES = 32 * 1024 * 1024
 UNAUTHENTICATED_PATHS = ("/health", "/livez", "/metrics")
+# Requests shed on purpose get their own outcome label (kvferry_router_requests_total), not "error".
+SHED_OUTCOMES = ("overloaded", "recompute_budget_exhausted")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 CONFIG = web.AppKey("config", RouterConfig)
@@ -78,21 +80,27 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     req = legs.validate(request.path, await _read_json(request), cfg.model)
     started = time.monotonic()
     rid = new_request_id()
-    try:
-        prefill, decode = state["selector"].choose(state["discovery"].current())
-    except NoBackendError as exc:
-        raise ApiError(503, str(exc), "no_backend") from None
-    except OverloadedError as exc:
-        metrics.overloaded.labels(exc.role).inc()
-        raise ApiError(429, str(exc), "overloaded", headers={"Retry-After": RETRY_AFTER_S}) from None
     outcome = "error"
     try:
+        prefill, decode = _choose(state)
         leg = await state["dispatcher"].run(req, prefill, decode, rid)
         response, outcome = await _relay(request, leg, rid, state, started, cfg)
         return response
+    except ApiError as exc:
+        outcome = exc.code if exc.code in SHED_OUTCOMES else "error"
+        raise
     finally:
         metrics.requests.labels(request.path, cfg.mode, outcome).inc()
         metrics.duration.labels(request.path, cfg.mode).observe(time.monotonic() - started)
+
+
+def _choose(state: dict[str, Any]) -> tuple[Endpoint, Endpoint]:
+    try:
+        return state["selector"].choose(state["discovery"].current())
+    except NoBackendError as exc:
+        raise ApiError(503, str(exc), "no_backend") from None
+    except OverloadedError as exc:
+        raise ApiError(429, str(exc), "overloaded", headers={"Retry-After": RETRY_AFTER_S}) from None
 
 
 async def _relay(

@@ -216,8 +216,6 @@ class Dispatcher:
             return await self._recompute(req, target, rid, exc, deadline)
 
     def _budget_spent(self, cause: LegError) -> ApiError:
-        reason = f"{cause.leg}_{cause.reason}"
-        self.metrics.recomputes_refused.labels(reason).inc()
         limits = self.cfg.limits
         msg = (
             f"{cause.message}; not recomputed: the recompute budget is exhausted (at most "

@@ -14,8 +14,9 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "kvferry_router_requests", "Client requests by endpoint and outcome "
-            "(ok, recomputed, error, client_disconnect)", ["endpoint", "mode", "outcome"], registry=r,
+            "kvferry_router_requests", "Client requests by endpoint and outcome (ok, recomputed, error, "
+            "client_disconnect, overloaded, recompute_budget_exhausted)", ["endpoint", "mode", "outcome"],
+            registry=r,
         )  # fmt: skip
         self.duration = Histogram(
             "kvferry_router_request_duration_seconds", "Client request wall time", ["endpoint", "mode"],
@@ -32,14 +33,6 @@ class RouterMetrics:
         self.recomputes = Counter(
             "kvferry_router_recomputes", "Requests answered by a local recompute after a leg failed",
             ["reason"], registry=r,
-        )  # fmt: skip
-        self.overloaded = Counter(
-            "kvferry_router_overloaded", "Requests refused with 429: every engine of the role was at "
-            "limits.max_in_flight_per_engine", ["role"], registry=r,
-        )  # fmt: skip
-        self.recomputes_refused = Counter(
-            "kvferry_router_recomputes_refused", "Failed legs not recomputed because the recompute budget "
-            "was spent (the client got a 503), by the failure", ["reason"], registry=r,
         )  # fmt: skip
         self.in_flight = Gauge(
             "kvferry_router_in_flight", "Legs in flight per engine", ["role", "engine_id"], registry=r

@@ -50,7 +50,7 @@ def test_full_decode_gets_429_with_retry_after() -> None:
         assert (await first).status == 200
         assert (await client.post("/v1/completions", json=BODY)).status == 200, "room again"
         metrics = await (await client.get("/metrics")).text()
-        assert 'kvferry_router_overloaded_total{role="decode"} 1.0' in metrics
+        assert 'outcome="overloaded"} 1.0' in metrics
         assert 'kvferry_router_errors_total{status="429"} 1.0' in metrics
 
     run("kvferry", "slow:0.6", "after_prefill", check, limits={"max_in_flight_per_engine": 1})
@@ -68,7 +68,8 @@ def test_recompute_budget_refuses_with_503_naming_the_failure() -> None:
         assert "recompute budget is exhausted" in error["message"]
         assert len(d.seen) == 1, "no second recompute was sent"
         metrics = await (await client.get("/metrics")).text()
-        assert 'kvferry_router_recomputes_refused_total{reason="prefill_status_500"} 1.0' in metrics
+        assert 'outcome="recompute_budget_exhausted"} 1.0' in metrics
+        assert 'kvferry_router_leg_errors_total{leg="prefill",reason="status_500"} 2.0' in metrics
 
     limits = {"recompute_ratio": 0, "recompute_burst": 1}
     run("vllm-pull", "error500", "ok", check, limits=limits)
