@@ -66,6 +66,7 @@ class ServerSpec:
     served_name: str = "tiny"
     host: str = "127.0.0.1"
     no_progress_thread: bool = False
+    load_failure_policy: str = "fail"  # kv_load_failure_policy: what D does when its KV never arrives
     connector_extra: dict[str, Any] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
 
@@ -81,6 +82,8 @@ class ServerSpec:
                 raise ValueError(f"unknown connector {self.connector!r}")
             if not self.engine_id or not self.side_port:
                 raise ValueError(f"{self.role} server needs engine_id and side_port")
+        if self.load_failure_policy not in ("fail", "recompute"):
+            raise ValueError(f"load_failure_policy {self.load_failure_policy!r} is not fail or recompute")
 
     @property
     def url(self) -> str:
@@ -96,6 +99,7 @@ def kv_transfer_config(spec: ServerSpec) -> dict[str, Any] | None:
         "kv_role": "kv_producer" if spec.role == "prefill" else "kv_consumer",
         "kv_buffer_device": "cpu",
         "engine_id": spec.engine_id,
+        "kv_load_failure_policy": spec.load_failure_policy,
     }
     extra = dict(spec.connector_extra)
     if spec.connector == KVFERRY_CONNECTOR:
