@@ -3,10 +3,20 @@
 Modes map to connectors: `vllm-pull` -> NixlConnector, `vllm-push` -> NixlPushConnector,
 `kvferry` -> KvferryConnector. P's worker gets core 0 and D's core 1 (the 2-core layout that works;
 `auto` binding is ~10x slower). Every process is stopped by PID (process group) in `stop()`.
+
+Faults for soak runs (bench/soak.py): `kill(role)` sends SIGKILL to one engine's process group,
+`restart(role)` starts it again with the same engine id, ports and side channel (a new log file per
+incarnation), `pause(role)` / `resume(role)` send SIGSTOP / SIGCONT. `gauges()` and `settle()` read
+the gauges that must be 0 on an idle stack; `MemoryWatch` samples the RSS of each part with its
+children; `orphan_shm()` lists /dev/shm files that killed engines left behind.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -16,9 +26,40 @@ from typing import Any
 
 import httpx
 import yaml
-from kvferry.connector.serve import ServerSpec, VllmProcess, free_port
+from kvferry.connector.promtext import metric_sum, parse_metrics
+from kvferry.connector.serve import ServerSpec, VllmProcess, _descendants, free_port
 
 CONNECTORS = {"vllm-pull": "NixlConnector", "vllm-push": "NixlPushConnector", "kvferry": "KvferryConnector"}
+ENGINE_ROLES = ("prefill", "decode")
+# Gauges that are 0 on an idle stack; with every kvferry_pending series (per kind) on both engines.
+ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+ROUTER_GAUGES = ("kvferry_router_in_flight", "kvferry_router_detached_prefills")
+
+
+def tree_pids(pid: int) -> list[int]:
+    """The process and all its descendants (children can be gone by the time they are read)."""
+    return [pid, *_descendants(pid)]
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """Resident memory of a process and its descendants, summed (shared pages count once per process)."""
+    page, total = os.sysconf("SC_PAGE_SIZE"), 0
+    for p in tree_pids(pid):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * page
+    return total
+
+
+def tree_shm_files(pid: int) -> set[str]:
+    """/dev/shm files mapped by a process or its descendants (vLLM's engine<->worker queues)."""
+    found: set[str] = set()
+    for p in tree_pids(pid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{p}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[5:]
+                if path and path[0].startswith("/dev/shm/"):
+                    found.add(path[0].removesuffix(" (deleted)"))
+    return found
 
 
 def kvferry_connector_available() -> bool:
@@ -95,9 +136,14 @@ class PdStack:
     kv_cache_gib: float = 1.0
     dtype: str = "float32"  # both servers' --dtype: the model's (tinymodel.Shape.dtype)
     kvferry_extra: dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config overrides
+    router_extra: dict[str, Any] = field(default_factory=dict)  # router.yaml keys, e.g. limits
     prefill: VllmProcess | None = None
     decode: VllmProcess | None = None
     router: RouterProcess | None = None
+    restarts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ENGINE_ROLES, 0))
+    paused: set[str] = field(default_factory=set)
+    killed_shm: set[str] = field(default_factory=set)  # /dev/shm files mapped by killed engines
+    starting: set[str] = field(default_factory=set)  # roles being restarted (not healthy yet)
 
     def _server(self, role: str, cores: str, block_size: int | None) -> VllmProcess:
         connector = CONNECTORS[self.mode]
@@ -125,6 +171,7 @@ class PdStack:
             "model": "tiny",
             "deadlines": self.deadlines,
             "discovery": {"static": {"prefill": [entry(self.prefill)], "decode": [entry(self.decode)]}},
+            **self.router_extra,
         }
 
     def start(self, ready_timeout_s: float = 600.0) -> PdStack:
@@ -155,11 +202,135 @@ class PdStack:
         resp.raise_for_status()
 
     def stop(self) -> None:
+        for role in list(self.paused):
+            self.resume(role)  # a stopped process would sit out SIGTERM's grace time
         for part in (self.router, self.decode, self.prefill):
             if part is not None:
                 part.stop()
+
+    # -- faults (bench/soak.py) -------------------------------------------------------------------
+
+    def server(self, role: str) -> VllmProcess:
+        server = {"prefill": self.prefill, "decode": self.decode}[role]
+        assert server is not None and server.proc is not None, f"{role} not started"
+        return server
+
+    def _signal(self, role: str, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.server(role).proc.pid, sig)  # type: ignore[union-attr]
+
+    def pause(self, role: str) -> None:
+        """SIGSTOP the engine's process group: its sockets accept, nothing answers."""
+        self.paused.add(role)
+        self._signal(role, signal.SIGSTOP)
+
+    def resume(self, role: str) -> None:
+        self._signal(role, signal.SIGCONT)
+        self.paused.discard(role)
+
+    def kill(self, role: str) -> None:
+        """SIGKILL the engine's whole process group (API server, engine core, workers) and reap it."""
+        server = self.server(role)
+        self.killed_shm |= tree_shm_files(server.proc.pid)  # type: ignore[union-attr]
+        self._signal(role, signal.SIGKILL)
+        self.paused.discard(role)
+        server.stop()  # reaps the process, closes the log
+
+    def restart(self, role: str, ready_timeout_s: float = 600.0) -> VllmProcess:
+        """Kill the engine if it still runs, then start it again with the same spec (engine id, HTTP
+        port, side channel) and wait until it is healthy; the router's static config stays valid."""
+        old = self.server(role)
+        if old.proc is not None and old.proc.poll() is None:
+            self.kill(role)
+        self.restarts[role] += 1
+        new = VllmProcess(old.spec, self.workdir / f"{role}.{self.restarts[role]}.log")
+        setattr(self, role, new)  # stop() reaches it from here on
+        self.starting.add(role)
+        new.start().wait_ready(ready_timeout_s)
+        new.pin()
+        self.starting.discard(role)
+        return new
+
+    def pids(self) -> dict[str, int]:
+        """Process id (= process group id) of the router and of each engine's current incarnation."""
+        parts = {"router": self.router, "prefill": self.prefill, "decode": self.decode}
+        return {k: v.proc.pid for k, v in parts.items() if v is not None and v.proc is not None}
 
     @property
     def url(self) -> str:
         assert self.router is not None
         return self.router.url
+
+    def gauges(self) -> dict[str, float]:
+        """Every gauge that must be 0 when the stack is idle: ENGINE_GAUGES and kvferry_pending (summed
+        per kind) on both engines' /metrics, ROUTER_GAUGES on the router's."""
+        out: dict[str, float] = {}
+        for role in ENGINE_ROLES:
+            m = self.server(role).metrics()
+            out.update({f"{role} {g}": metric_sum(m, g) for g in ENGINE_GAUGES})
+            for key, value in m.items():
+                if key.startswith("kvferry_pending{"):
+                    kind = (re.search(r'kind="([^"]*)"', key) or [None, "?"])[1]
+                    name = f"{role} kvferry_pending{{kind={kind}}}"
+                    out[name] = out.get(name, 0.0) + value
+        m = parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text)
+        return out | {f"router {g}": metric_sum(m, g) for g in ROUTER_GAUGES}
+
+    def settle(self, timeout_s: float) -> tuple[dict[str, float], float]:
+        """Poll gauges() each second until all are 0 or timeout_s passed: the last reading, seconds."""
+        start, last = time.monotonic(), {"unreadable": 1.0}
+        while True:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                last = self.gauges()
+            if not any(last.values()) or time.monotonic() - start > timeout_s:
+                return last, time.monotonic() - start
+            time.sleep(1.0)
+
+    def orphan_shm(self) -> tuple[list[str], list[str]]:
+        """/dev/shm files of killed engines that still exist: (mapped by no engine process alive,
+        still mapped by a live engine, e.g. the peer's UCX mapping of a dead engine's segment)."""
+        live: set[str] = set()
+        for role in ENGINE_ROLES:
+            server = getattr(self, role)
+            if server is not None and server.proc is not None and server.proc.poll() is None:
+                live |= tree_shm_files(server.proc.pid)
+        left = {f for f in self.killed_shm if Path(f).exists()}
+        return sorted(left - live), sorted(left & live)
+
+    def remove_orphan_shm(self) -> int:
+        """Unlink the killed engines' /dev/shm files no live engine maps (after stop(): all of them;
+        only files this stack's own engines mapped). Returns the bytes they held."""
+        freed = 0
+        for f in self.orphan_shm()[0]:
+            with contextlib.suppress(OSError):
+                freed += Path(f).stat().st_blocks * 512
+                Path(f).unlink()
+        return freed
+
+
+@dataclass
+class MemoryWatch:
+    """RSS (process plus children) of a stack's router, prefill and decode, per incarnation (pid)."""
+
+    stack: PdStack
+    samples: dict[str, dict[int, dict[str, int]]] = field(default_factory=dict)  # role -> pid -> bytes
+
+    def sample(self) -> None:
+        for role, pid in self.stack.pids().items():
+            rss = 0 if role in self.stack.starting else tree_rss_bytes(pid)
+            if rss:  # 0: killed meanwhile, or still starting
+                inc = self.samples.setdefault(role, {}).setdefault(pid, {"first": rss, "peak": rss})
+                inc["last"], inc["peak"] = rss, max(inc["peak"], rss)
+
+    def report(self) -> dict[str, dict[str, float]]:
+        """MiB per role: first sample, peak, last sample, and growth of the incarnation alive last
+        (a restarted engine's first sample is its first after /health, before it served requests)."""
+        out = {}
+        for role, incs in self.samples.items():
+            first, last = next(iter(incs.values())), list(incs.values())[-1]
+            out[role] = {
+                "incarnations": len(incs), "start_mib": first["first"] / 2**20,
+                "peak_mib": max(i["peak"] for i in incs.values()) / 2**20, "end_mib": last["last"] / 2**20,
+                "growth_mib": (last["last"] - last["first"]) / 2**20,
+            }  # fmt: skip
+        return out
