@@ -99,8 +99,9 @@ def kv_transfer_config(spec: ServerSpec) -> dict[str, Any] | None:
         "kv_role": "kv_producer" if spec.role == "prefill" else "kv_consumer",
         "kv_buffer_device": "cpu",
         "engine_id": spec.engine_id,
-        "kv_load_failure_policy": spec.load_failure_policy,
     }
+    if spec.role == "decode":  # only a consumer loads KV
+        config["kv_load_failure_policy"] = spec.load_failure_policy
     extra = dict(spec.connector_extra)
     if spec.connector == KVFERRY_CONNECTOR:
         config["kv_connector_module_path"] = "kvferry.connector"
