@@ -136,6 +136,7 @@ class PdStack:
     kv_cache_gib: float = 1.0
     dtype: str = "float32"  # both servers' --dtype: the model's (tinymodel.Shape.dtype)
     kvferry_extra: dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config overrides
+    load_failure_policy: str = "fail"  # decode's kv_load_failure_policy
     router_extra: dict[str, Any] = field(default_factory=dict)  # router.yaml keys, e.g. limits
     prefill: VllmProcess | None = None
     decode: VllmProcess | None = None
@@ -150,7 +151,7 @@ class PdStack:
         spec = ServerSpec(
             model=self.model, port=free_port(), role=role, connector=connector, engine_id=f"{role}-0",
             side_port=free_port(), block_size=block_size, cores=cores, kv_cache_gib=self.kv_cache_gib,
-            dtype=self.dtype,
+            dtype=self.dtype, load_failure_policy=self.load_failure_policy,
             # Upstream baselines only; the kvferry connector owns its NIXL agent config.
             no_progress_thread=self.no_progress_thread and connector != "KvferryConnector",
             # kvferry defaults to LIBFABRIC (EFA); loopback on a CPU host is UCX.
