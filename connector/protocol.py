@@ -147,6 +147,9 @@ class ProducerCore:
         out += self._supersede_older(key, now)
         if key in self.finished:
             return out + [Reject("duplicate", f"prefill of {key} finished twice")]
+        if key in self.ended:  # e.g. the consumer cancelled before the prefill finished: free at once
+            return out + [Reject("late_prefill", f"prefill of {key} finished after it ended: "
+                                 f"{self.ended[key]}"), Release(key, self.ended[key])]  # fmt: skip
         self.finished[key] = _Finished(block_ids, num_tokens, consumer_engine, now, now + self.limits.lease_s)
         out += self._evict_if_full_finished(now)
         for (k, rank), (reg, _, deadline) in list(self.parked.items()):
@@ -204,7 +207,13 @@ class ProducerCore:
         """The consumer gave up: drop what is not yet written; in-flight writes finish first."""
         parked = self.parked.pop((key, consumer_rank), None)
         if parked is not None:
-            return [SendFailure(parked[0], "cancelled")]
+            # The consumer's request failed as a whole: other ranks' registrations and the prefill's
+            # blocks need not wait for their TTL and lease.
+            out: list[Action] = [SendFailure(parked[0], "cancelled")]
+            for slot in [s for s in self.parked if s[0] == key]:
+                out.append(SendFailure(self.parked.pop(slot)[0], "cancelled"))
+            self._mark_ended(key, "cancelled")  # nothing is held yet: no Release
+            return out
         entry = self.finished.get(key)
         if entry is None or entry.consumer_engine != consumer_engine:
             return [Reject("unknown_request", f"cancel for {key} from {consumer_engine}")]
@@ -299,10 +308,13 @@ class ProducerCore:
 
     def _end(self, key: Key, reason: str) -> Release:
         self.finished.pop(key, None)
+        self._mark_ended(key, reason)
+        return Release(key, reason)
+
+    def _mark_ended(self, key: Key, reason: str) -> None:
         self.ended[key] = reason
         while len(self.ended) > self.limits.max_entries:
             self.ended.popitem(last=False)
-        return Release(key, reason)
 
     def _note_attempt(self, key: Key) -> None:
         rid, attempt = key

@@ -138,13 +138,6 @@ def test_write_failure_is_reported_to_the_consumer():
     assert SendFailure(reg(), "write_failed") in out and Release(("r", 0), "failed") in out
 
 
-def test_cancel_before_prefill_finishes_drops_the_registration():
-    p = producer()
-    p.registration(reg(), now=0.0)
-    assert kinds(p.cancel(("r", 0), "d0", 0, now=0.1)) == ["SendFailure"]
-    assert p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=0.2) == []
-
-
 # ---- consumer ----
 def consumer(tp=1, rank=0, **kw):
     return ConsumerCore(total_heads=4, rank=rank, tp_size=tp, limits=Limits(**kw))
@@ -263,3 +256,12 @@ def test_consumer_asking_for_more_tokens_than_prefilled_fails_fast():
     p.prefill_finished(("r", 0), BLOCKS, 30, "d0", now=0.0)
     out = p.registration(reg(), now=0.1)  # reg() asks for 40 tokens
     assert kinds(out) == ["Reject", "SendFailure"] and out[1].reason == "token_mismatch"
+
+
+def test_a_prefill_that_finishes_after_the_consumer_cancelled_is_freed_at_once():
+    p = producer(lease_s=30.0)
+    p.registration(reg(), now=0.0, deadline=1.0)
+    assert kinds(p.cancel(("r", 0), "d0", 0, now=1.0)) == ["SendFailure"]
+    out = p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=2.0)
+    assert kinds(out) == ["Reject", "Release"] and out[1] == Release(("r", 0), "cancelled")
+    assert p.pending()["finished_blocks"] == 0  # not held for the 30 s lease
