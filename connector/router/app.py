@@ -217,6 +217,7 @@ async def _scrape_loop(state: dict[str, Any]) -> None:
     while True:
         pool = state["discovery"].current()
         state["tracker"].prune(pool)
+        state["metrics"].forget_engines({(e.role, e.engine_id) for e in (*pool.prefill, *pool.decode)})
         for ep in pool.decode:
             try:
                 async with session.get(ep.url + "/metrics", timeout=aiohttp.ClientTimeout(2)) as r:

@@ -47,5 +47,17 @@ class RouterMetrics:
             "kvferry_router_errors", "Error responses by HTTP status", ["status"], registry=r
         )
 
+    def forget_engines(self, keep: set[tuple[str, str]]) -> None:
+        """Drop the in-flight series of engines that left the pool with nothing in flight: pods come
+        and go, and a series per pod ever seen would grow the scrape without bound."""
+        values = {
+            (s.labels["role"], s.labels["engine_id"]): s.value
+            for metric in self.in_flight.collect()
+            for s in metric.samples
+        }
+        for labels, value in values.items():
+            if labels not in keep and value == 0:
+                self.in_flight.remove(*labels)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -110,3 +110,18 @@ def test_tracker_forgets_engines_that_left_the_pool_unless_busy() -> None:
     assert set(tracker.loads) == {old.prefill[0].url, old.decode[0].url}
     tracker.end(old.decode[1])  # a late end() for a forgotten engine does not bring it back
     assert old.decode[1].url not in tracker.loads
+
+
+def test_in_flight_series_of_engines_that_left_the_pool_are_dropped():
+    from kvferry.connector.router.metrics import RouterMetrics
+
+    m = RouterMetrics()
+    m.in_flight.labels("decode", "d-old").inc()
+    m.in_flight.labels("decode", "d-old").dec()
+    m.in_flight.labels("decode", "d-busy").inc()
+    m.in_flight.labels("prefill", "p-0").inc()
+    m.in_flight.labels("prefill", "p-0").dec()
+    m.forget_engines({("prefill", "p-0")})
+    text = m.render().decode()
+    assert 'engine_id="d-old"' not in text  # gone and idle: dropped
+    assert 'engine_id="d-busy"' in text and 'engine_id="p-0"' in text  # busy, or still in the pool
