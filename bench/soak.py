@@ -380,6 +380,11 @@ def summarize(soak: Soak, gauges: dict[str, float], settle_s: float, wall_s: flo
             if k.startswith(("kvferry_router_requests_total", "kvferry_router_recomputes_total",
                              "kvferry_router_leg_errors_total", "kvferry_router_errors_total")) and v
         },
+        "engine_counters": {  # the incarnations alive at the end
+            f"{role} {k}": v for role in ENGINE_ROLES for k, v in soak.stack.server(role).metrics().items()
+            if k.startswith(("kvferry_transfers_total", "kvferry_transfer_failures_total",
+                             "kvferry_rejected_messages_total")) and v
+        },
         "wall_s": round(wall_s, 1), "workdir": str(soak.stack.workdir),
     }  # fmt: skip
 
@@ -401,9 +406,9 @@ def table(s: dict[str, Any]) -> str:
     rows += [(f"  gauge {k}", v) for k, v in s["gauges"].items() if v]
     rows += [(f"fault {f['kind']} @ {f['at_request']} ({f['at_s']}s)", f["detail"]) for f in s["faults"]]
     for role, m in s["memory"].items():
-        rows.append((f"RSS {role} MiB (x{m['incarnations']})",
-                     f"start {m['start_mib']:.0f}, peak {m['peak_mib']:.0f}, end {m['end_mib']:.0f}, "
-                     f"growth of the last incarnation {m['growth_mib']:+.1f}"))  # fmt: skip
+        rss = f"start {m['start_mib']:.0f}, peak {m['peak_mib']:.0f}, end {m['end_mib']:.0f}"
+        growth = f"{m['growth_mib']:+.1f}, in its second half {m['late_growth_mib']:+.1f}"
+        rows.append((f"RSS {role} MiB (x{m['incarnations']})", f"{rss}; last incarnation's growth {growth}"))
     shm = (len(s["shm"]["orphans"]), len(s["shm"]["held_by_live_engine"]))
     rows.append(("killed engines' /dev/shm files left (orphaned, held by a live engine)", shm))
     rows.append(("result", "PASS" if passed(s) else "FAIL"))

@@ -314,24 +314,25 @@ class MemoryWatch:
     """RSS (process plus children) of a stack's router, prefill and decode, per incarnation (pid)."""
 
     stack: PdStack
-    samples: dict[str, dict[int, dict[str, int]]] = field(default_factory=dict)  # role -> pid -> bytes
+    samples: dict[str, dict[int, list[int]]] = field(default_factory=dict)  # role -> pid -> bytes
 
     def sample(self) -> None:
         for role, pid in self.stack.pids().items():
             rss = 0 if role in self.stack.starting else tree_rss_bytes(pid)
             if rss:  # 0: killed meanwhile, or still starting
-                inc = self.samples.setdefault(role, {}).setdefault(pid, {"first": rss, "peak": rss})
-                inc["last"], inc["peak"] = rss, max(inc["peak"], rss)
+                self.samples.setdefault(role, {}).setdefault(pid, []).append(rss)
 
     def report(self) -> dict[str, dict[str, float]]:
-        """MiB per role: first sample, peak, last sample, and growth of the incarnation alive last
-        (a restarted engine's first sample is its first after /health, before it served requests)."""
+        """MiB per role: first sample, peak, last sample; growth of the incarnation alive last, over
+        its whole life and over the second half of its samples (warm-up excluded: a leak shows there).
+        A restarted engine's first sample is its first after /health, before it served requests."""
         out = {}
         for role, incs in self.samples.items():
             first, last = next(iter(incs.values())), list(incs.values())[-1]
             out[role] = {
-                "incarnations": len(incs), "start_mib": first["first"] / 2**20,
-                "peak_mib": max(i["peak"] for i in incs.values()) / 2**20, "end_mib": last["last"] / 2**20,
-                "growth_mib": (last["last"] - last["first"]) / 2**20,
+                "incarnations": len(incs), "start_mib": first[0] / 2**20,
+                "peak_mib": max(max(i) for i in incs.values()) / 2**20, "end_mib": last[-1] / 2**20,
+                "growth_mib": (last[-1] - last[0]) / 2**20,
+                "late_growth_mib": (last[-1] - last[len(last) // 2]) / 2**20,
             }  # fmt: skip
         return out
