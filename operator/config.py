@@ -7,10 +7,38 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import string
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.operator.render import DEFAULT_ROUTER_IMAGE
+
+# The only fields a metrics URL template may hold (scrape.metrics_urls fills them).
+PLACEHOLDERS = frozenset({"pod", "pod_ip", "namespace", "port", "role"})
+
+
+def check_template(template: str) -> str:
+    """`template` if it is an http(s) URL using only PLACEHOLDERS, bare; else ValueError.
+
+    str.format would otherwise run format specs (`{pod:>700000000}` allocates 700 MB) and attribute
+    or index lookups (`{pod.__class__}`) on whatever the template says.
+    """
+    if not template.startswith(("http://", "https://")):
+        raise ValueError(f"metrics URL {template!r}: must start with http:// or https://")
+    try:
+        fields = [
+            (name, spec, conv)
+            for _, name, spec, conv in string.Formatter().parse(template)
+            if name is not None
+        ]
+    except ValueError as exc:
+        raise ValueError(f"metrics URL {template!r}: {exc}") from None
+    for name, spec, conv in fields:
+        if name not in PLACEHOLDERS or spec or conv:
+            raise ValueError(
+                f"metrics URL {template!r}: only bare placeholders {sorted(PLACEHOLDERS)} are allowed"
+            )
+    return template
 
 
 def setting(default: Any, env: str, doc: str) -> Any:
@@ -52,7 +80,7 @@ class OperatorConfig:
         "http://{pod_ip}:{port}/metrics",
         "KVFERRY_METRICS_URL",
         "Where engine metrics are read: template with {pod}, {pod_ip}, {namespace}, "
-        "{port}, {role}. A CR annotation kvferry.io/metrics-url overrides it.",
+        "{port}, {role} (bare, no format specs). Only the operator's own setting: CRs cannot change it.",
     )
     resync_interval: float = setting(
         300.0,
@@ -74,6 +102,9 @@ class OperatorConfig:
         "KVFERRY_APPLY_PAUSE_SECONDS",
         "Test hook: sleep between object applies (to kill the operator mid-reconcile). Keep 0 in production.",
     )
+
+    def __post_init__(self) -> None:
+        check_template(self.metrics_url)  # fail at start-up, not on every scrape
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> OperatorConfig:

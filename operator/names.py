@@ -26,9 +26,6 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 
 # Applied to the router pod template: hash of the router config, so a config change rolls the router.
 ANNOTATION_CONFIG_HASH = "kvferry.io/config-hash"
-# Applied to a DisaggregatedInference: overrides where the status timer reads connector metrics
-# (a URL template with {pod}, {pod_ip}, {namespace}, {port}); for tests and unusual setups.
-ANNOTATION_METRICS_URL = "kvferry.io/metrics-url"
 # kopf keeps its progress and diff base in annotations under this prefix, never in status.
 KOPF_PREFIX = "kvferry.io"
 

@@ -46,7 +46,7 @@ FIXES: dict[Reason, str] = {
     ),
     Reason.METRICS_UNAVAILABLE: (
         "the operator cannot read the engines' /metrics: pods not Running, a NetworkPolicy blocking the "
-        "operator, or a wrong kvferry.io/metrics-url annotation"
+        "operator, or an operator KVFERRY_METRICS_URL that does not point at the pods"
     ),
     Reason.PREFLIGHT_FAILED: (
         "use a vLLM image whose vLLM and NIXL the connector supports (spec.image; vLLM >= 0.32, "

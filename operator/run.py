@@ -15,7 +15,7 @@ import sys
 
 import kopf
 from kvferry.operator import handlers
-from kvferry.operator.config import OperatorConfig
+from kvferry.operator.config import OperatorConfig, check_template
 
 
 def parse(argv: list[str]) -> tuple[OperatorConfig, bool]:
@@ -46,6 +46,10 @@ def parse(argv: list[str]) -> tuple[OperatorConfig, bool]:
     args = p.parse_args(argv)
     if args.namespaces and args.all_namespaces:
         p.error("--namespace and --all-namespaces are exclusive")
+    try:
+        check_template(args.metrics_url)
+    except ValueError as exc:
+        p.error(str(exc))
     for name in ("metrics_interval", "resync_interval"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")

@@ -1,7 +1,12 @@
 """Scrape step: read the engine pods' /metrics, write status.transfer and the TransferHealthy condition.
 
-Runs from a kopf timer per CR. Fetching is bounded (per-pod timeout) and a pod that does not answer
-only lowers `scrapedPods`; parsing and the verdict are in transfer_metrics.py (pure).
+Runs from a kopf timer per CR. Fetching is bounded (per-pod timeout, response size cap) and a pod that
+does not answer only lowers `scrapedPods`; parsing and the verdict are in transfer_metrics.py (pure).
+
+Where it fetches is the operator's own setting (KVFERRY_METRICS_URL), never anything a CR says: a
+cluster-wide operator fetching a URL a CR author chose would let anyone who may edit one CR reach cloud
+metadata or internal services with the operator's network identity. Only pods our StatefulSets own are
+read, through a template that may hold the fixed placeholders and nothing else.
 """
 
 from __future__ import annotations
@@ -12,42 +17,64 @@ from typing import Any
 import httpx
 from kvferry.operator import names, podchecks, remedies, selfmetrics, status, transfer_metrics
 from kvferry.operator.apply import Kube, now_iso
-from kvferry.operator.config import OperatorConfig
+from kvferry.operator.config import OperatorConfig, check_template
 from kvferry.operator.reconcile import Event, write_status
 from kvferry.operator.spec import EFA_ACCELERATORS
 from kvferry.operator.status import ConditionType, EventReason, Reason
 
 Fetch = Callable[[str], str | None]
+MAX_METRICS_BYTES = 8 << 20  # vLLM + kvferry /metrics is tens of KiB; anything near this is not metrics
 # Degraded reasons that outrank transfer health (the reconcile owns them).
 _RECONCILE_FAULTS = {Reason.APPLY_FAILED.value, Reason.INVALID_SPEC.value}
 
 
-def http_fetcher(timeout_s: float) -> Fetch:
+def http_fetcher(timeout_s: float, max_bytes: int = MAX_METRICS_BYTES) -> Fetch:
+    """GET a URL: the body on 200, else None. Bounded in time and size; redirects are not followed."""
+
     def fetch(url: str) -> str | None:
         try:
-            resp = httpx.get(url, timeout=timeout_s)
+            with httpx.stream("GET", url, timeout=timeout_s, follow_redirects=False) as resp:
+                if resp.status_code != 200:
+                    return None
+                body = bytearray()
+                for chunk in resp.iter_bytes():
+                    body += chunk
+                    if len(body) > max_bytes:
+                        return None
+                return body.decode(resp.encoding or "utf-8", errors="replace")
         except httpx.HTTPError:
             return None
-        return resp.text if resp.status_code == 200 else None
 
     return fetch
 
 
-def metrics_urls(pods: list[dict[str, Any]], template: str) -> dict[str, list[str]]:
-    """Role -> URLs of its running engine pods."""
+def _owned_by_role_set(pod: dict[str, Any], cr_name: str, role: str) -> bool:
+    """Whether a StatefulSet we render controls the pod (a labelled pod made by hand is not read)."""
+    want = names.role_name(cr_name, role)
+    refs = pod["metadata"].get("ownerReferences") or []
+    return any(r.get("controller") and r.get("kind") == "StatefulSet" and r.get("name") == want for r in refs)
+
+
+def metrics_urls(pods: list[dict[str, Any]], template: str, cr_name: str) -> dict[str, list[str]]:
+    """Role -> URLs of its running engine pods (pods of the CR's own StatefulSets only)."""
+    check_template(template)
     urls: dict[str, list[str]] = {role: [] for role in names.ROLES}
     for pod in pods:
         meta, st = pod["metadata"], pod.get("status", {})
         role = meta.get("labels", {}).get(names.LABEL_ROLE)
         if role not in urls or st.get("phase") != "Running" or meta.get("deletionTimestamp"):
             continue
+        if not _owned_by_role_set(pod, cr_name, role):
+            continue
         urls[role].append(
-            template.format(
-                pod=meta["name"],
-                pod_ip=st.get("podIP", ""),
-                namespace=meta["namespace"],
-                port=names.HTTP_PORT,
-                role=role,
+            template.format_map(
+                dict(
+                    pod=meta["name"],
+                    pod_ip=st.get("podIP", ""),
+                    namespace=meta["namespace"],
+                    port=names.HTTP_PORT,
+                    role=role,
+                )
             )
         )
     return urls
@@ -58,12 +85,11 @@ def scrape(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, fetch: Fetch) ->
     previous = cr.get("status") or {}
     if not previous.get("revision"):
         return []  # nothing rendered yet
-    template = meta.get("annotations", {}).get(names.ANNOTATION_METRICS_URL) or cfg.metrics_url
     pods = kube.list("Pod", meta["namespace"], {names.LABEL_NAME: names.fit(meta["name"])})
     refusal = podchecks.start_failure(pods)  # a kvferry start-up step refused: pods never serve
     texts = {
         role: [t for t in map(fetch, urls) if t is not None]
-        for role, urls in metrics_urls(pods, template).items()
+        for role, urls in metrics_urls(pods, cfg.metrics_url, meta["name"]).items()
     }
     kv = spec.get("kvTransfer") or {}
     verdicts = []

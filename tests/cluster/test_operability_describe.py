@@ -3,7 +3,8 @@
 1. A decode pod whose start-up preflight refused the image (connectorSource inject): the test writes the
    pod status the kubelet would (a terminated vllm container with the preflight's termination message;
    kwok runs no containers), and the operator's status step turns it into PreflightFailed.
-2. Pods reporting UCX on an EFA preset (metrics served from 127.0.0.1, as in test_operator_transfer_status).
+2. Pods reporting UCX on an EFA preset (metrics served from 127.0.0.1 through the operator's --metrics-url,
+   as in test_operator_transfer_status).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections.abc import Iterator
 
 import pytest
 from kubernetes.client.rest import ApiException
-from kvferry.operator import names
 
 from tests.cluster.operator_fixtures import *  # noqa: F403
 from tests.cluster.operator_fixtures import wait_until
@@ -30,6 +30,11 @@ def metrics_server() -> Iterator[FakeMetrics]:
     server = FakeMetrics()
     yield server
     server.close()
+
+
+@pytest.fixture
+def metered_operator(start_operator, metrics_server):
+    return start_operator("--metrics-interval", "1", "--metrics-url", metrics_server.url)
 
 
 def _crashlooping(pod_name: str) -> dict:
@@ -92,14 +97,14 @@ def test_describe_names_the_preflight_refusal_and_the_fix(cluster, operator) -> 
     assert "TransferHealthChanged" in out, out  # the Warning event is listed too
 
 
-def test_describe_says_set_backends_to_libfabric_for_ucx_on_efa(cluster, operator, metrics_server) -> None:
+def test_describe_says_set_backends_to_libfabric_for_ucx_on_efa(
+    cluster, metered_operator, metrics_server
+) -> None:
     metrics_server.texts = {
         "u-prefill-0": prometheus(10, 0, backend="UCX"),
         "u-decode-0": prometheus(0, 0, "UCX"),
     }
-    cr = make_inference("u", accelerator="p5en").obj()
-    cr["metadata"]["annotations"] = {names.ANNOTATION_METRICS_URL: metrics_server.url}
-    cluster.apply(cr)
+    cluster.apply(make_inference("u", accelerator="p5en").obj())
     wait_until(lambda: cluster.condition("u", "TransferHealthy").get("reason") == "UCXOnEFA", "UCXOnEFA")
     out = cluster.kubectl("describe", "disaggregatedinference", "u").stdout
     assert "UCXOnEFA" in out, out

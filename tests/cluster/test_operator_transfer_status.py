@@ -1,5 +1,5 @@
 """Transfer health in status and `kubectl get`, fed by a real HTTP server on 127.0.0.1 serving Prometheus
-text per pod (the operator's metrics URL template points at it through the CR annotation)."""
+text per pod (the operator's own --metrics-url template points at it). A CR cannot move that URL."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from kvferry.operator import names
 
 from tests.cluster.operator_fixtures import *  # noqa: F403
 from tests.cluster.operator_fixtures import wait_until
@@ -34,14 +33,16 @@ def prometheus(transfers: int, failures: int, backend: str = "LIBFABRIC") -> str
 
 
 class FakeMetrics:
-    """Serves /<namespace>/<pod> -> the text set for that pod (404 otherwise)."""
+    """Serves /<namespace>/<pod> -> the text set for that pod (404 otherwise); `hits` lists the paths."""
 
     def __init__(self) -> None:
         self.texts: dict[str, str] = {}
+        self.hits: list[str] = []
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802
+                outer.hits.append(self.path)
                 text = outer.texts.get(self.path.rsplit("/", 1)[-1])
                 self.send_response(200 if text is not None else 404)
                 self.end_headers()
@@ -67,15 +68,15 @@ def fake_metrics() -> Iterator[FakeMetrics]:
     server.close()
 
 
-def _with_metrics(builder, url: str) -> dict:
-    obj = builder.obj()
-    obj["metadata"]["annotations"] = {names.ANNOTATION_METRICS_URL: url}
-    return obj
+@pytest.fixture
+def operator(start_operator, fake_metrics):
+    """The operator reading engine metrics from `fake_metrics` (its own setting, not the CR's)."""
+    return start_operator("--metrics-interval", "1", "--metrics-url", fake_metrics.url)
 
 
 def test_kubectl_get_shows_transfer_columns_and_health(cluster, operator, fake_metrics) -> None:
     fake_metrics.texts = {"m-prefill-0": prometheus(300, 2), "m-decode-0": ""}
-    cluster.apply(_with_metrics(make_inference("m", accelerator="p5en"), fake_metrics.url))
+    cluster.apply(make_inference("m", accelerator="p5en").obj())
     cluster.wait_ready("m", "CR m Ready")
     wait_until(
         lambda: cluster.cr("m")["status"].get("transfer", {}).get("transfers") == 300, "transfer summary"
@@ -117,6 +118,31 @@ def test_kubectl_get_shows_transfer_columns_and_health(cluster, operator, fake_m
 
 def test_ucx_on_an_efa_preset_is_reported(cluster, operator, fake_metrics) -> None:
     fake_metrics.texts = {"u-prefill-0": prometheus(10, 0, backend="UCX")}
-    cluster.apply(_with_metrics(make_inference("u", accelerator="p5en"), fake_metrics.url))
+    cluster.apply(make_inference("u", accelerator="p5en").obj())
     wait_until(lambda: cluster.condition("u", "TransferHealthy").get("reason") == "UCXOnEFA", "UCXOnEFA")
     assert cluster.cr("u")["status"]["transfer"]["backend"] == "UCX"
+
+
+def test_a_cr_cannot_choose_what_the_operator_fetches(cluster, operator, fake_metrics) -> None:
+    """The old kvferry.io/metrics-url annotation (an SSRF, and a format spec that allocated at will)
+    is ignored: the canary on 127.0.0.1 is never contacted and the operator stays up."""
+    canary = FakeMetrics()
+    try:
+        fake_metrics.texts = {"c-prefill-0": prometheus(5, 0), "c-decode-0": prometheus(0, 0)}
+        hostile = {
+            "c": canary.url,  # cloud metadata or an internal service, in real life
+            "huge": f"http://127.0.0.1:{canary.server.server_port}/{{pod:>70000000}}",
+        }
+        for name, url in hostile.items():
+            cr = make_inference(name).obj()
+            cr["metadata"]["annotations"] = {"kvferry.io/metrics-url": url}
+            cluster.apply(cr)
+        wait_until(
+            lambda: cluster.cr("c").get("status", {}).get("transfer", {}).get("transfers") == 5,
+            "metrics read from the operator's own URL",
+        )
+        wait_until(lambda: sum("huge-prefill-0" in h for h in fake_metrics.hits) >= 2, "two scrapes of huge")
+        assert canary.hits == [], canary.hits
+        assert operator.proc.poll() is None, operator.text()[-2000:]
+    finally:
+        canary.close()
