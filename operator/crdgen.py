@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 from kvferry.operator import rbac
 from kvferry.operator import spec as s
+from kvferry.operator import status_schema as st
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_PATH = Path("crds/disaggregatedinferences.yaml")
@@ -101,7 +102,7 @@ def crd() -> dict[str, Any]:
         {"rule": r.cel, "message": r.message, "fieldPath": r.field_path, "reason": "FieldValueInvalid"}
         for r in s.RULES
     ]
-    status_schema = object_schema(s.Status, with_defaults=False)
+    status_schema = object_schema(st.Status, with_defaults=False)
     conditions = status_schema["properties"]["conditions"]
     conditions.update({"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
     root = {
@@ -255,7 +256,7 @@ def api_reference() -> str:
     for r in s.RULES:
         lines.append(f"| `spec{r.field_path}` | `{r.cel.replace('|', '&#124;')}` | {r.message} |")
     lines += [f"| `metadata.name` | `{s.NAME_RULE[0]}` | {s.NAME_RULE[1]} |", "", "## Status", ""]
-    for cls in (s.Status, s.RoleStatus, s.RouterStatus, s.TransferStatus, s.Condition):
+    for cls in (st.Status, st.RoleStatus, st.RouterStatus, st.TransferStatus, st.Condition):
         lines += _doc_table(cls)
     lines += ["## Printer columns", "", "| column | JSONPath |", "|---|---|"]
     lines += [f"| {c['name']} | `{c['jsonPath']}` |" for c in PRINTER_COLUMNS]

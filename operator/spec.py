@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvferry.operator.flags import OWNED_FLAGS, SHORT_ALIASES, cel_no_owned_flags, owned_flags_in
+
 GROUP = "kvferry.io"
 VERSION = "v1alpha1"
 KIND = "DisaggregatedInference"
@@ -28,16 +30,6 @@ MAX_TP = {"p5en": 8, "p5": 8, "trn2": 64, "trn1": 32, "cpu": 64, "none": 64}
 MODES = ("push", "pull")
 CONNECTORS = ("kvferry", "vllm")
 BACKENDS = ("LIBFABRIC", "UCX")
-# Flags the operator sets itself; a role-level copy would split P and D or break engine identity.
-OWNED_FLAGS = (
-    "--kv-transfer-config",
-    "--tensor-parallel-size",
-    "--port",
-    "--block-size",
-    "--served-model-name",
-    "--dtype",
-    "--max-model-len",
-)
 MAX_NAME_LEN = 42  # `<name>-prefill` + the StatefulSet's 11-char revision hash must fit a 63-char label
 
 
@@ -241,70 +233,6 @@ class Spec:
     network_policy: NetworkPolicy = f("Network isolation of the service.", NetworkPolicy())
 
 
-# ---- status (schema only; status.py fills it) ----
-
-
-@dataclass
-class RoleStatus:
-    """Observed state of one role's StatefulSet."""
-
-    desired: int = f("Replicas the operator asked for.", 0)
-    replicas: int = f("Pods that exist.", 0)
-    ready_replicas: int = f("Pods that are Ready.", 0)
-    updated_replicas: int = f("Pods on the current revision.", 0)
-    summary: str = f("ready/desired, for `kubectl get`.", "")
-    selector: str = f("Label selector of the role's pods (for the scale subresource and HPA).", "")
-
-
-@dataclass
-class RouterStatus:
-    replicas: int = f("Router pods.", 0)
-    ready_replicas: int = f("Ready router pods.", 0)
-
-
-@dataclass
-class TransferStatus:
-    """Connector metrics summed over the pods by the status timer."""
-
-    mode: str = f("Transfer mode in effect.", "")
-    backend: str = f("NIXL backend the pods report.", "")
-    transfers: int = f("Completed transfers (total).", 0)
-    failures: int = f("Failed transfers (total).", 0)
-    p50: str = f("Median transfer time, e.g. 41ms.", "")
-    p99: str = f("99th-percentile transfer time.", "")
-    p50_seconds: float | None = f("Median transfer time in seconds.", None)
-    p99_seconds: float | None = f("99th-percentile transfer time in seconds.", None)
-    local_tokens: int = f("Prompt tokens decode computed itself.", 0)
-    external_tokens: int = f("Prompt tokens decode received as KV.", 0)
-    layout_mismatches: int = f("Transfers refused because P's and D's KV layouts cannot be mapped.", 0)
-    last_failure: str = f("Reason label of the most recent failures.", "")
-    last_failure_time: str = f("When failures last increased.", "")
-    scraped_pods: int = f("Pods whose metrics were read in the last scrape.", 0)
-    last_scrape_time: str = f("When a scrape last changed this summary.", "")
-
-
-@dataclass
-class Condition:
-    type: str = f("Ready, Progressing, TransferHealthy or Degraded.")
-    status: str = f("True, False or Unknown.", enum=["True", "False", "Unknown"])
-    reason: str = f("CamelCase reason.", "")
-    message: str = f("Human-readable detail.", "")
-    observed_generation: int = f("Generation this condition was computed for.", 0)
-    last_transition_time: str = f("When status last flipped.", "")
-
-
-@dataclass
-class Status:
-    observed_generation: int = f("Last generation reconciled.", 0)
-    revision: str = f("Hash of what prefill and decode must agree on; a pod label on both roles.", "")
-    endpoint: str = f("URL clients call (the router Service).", "")
-    prefill: RoleStatus = f("Prefill StatefulSet.", RoleStatus())
-    decode: RoleStatus = f("Decode StatefulSet.", RoleStatus())
-    router: RouterStatus = f("Router Deployment.", RouterStatus())
-    transfer: TransferStatus = f("KV transfer summary.", TransferStatus())
-    conditions: list[Condition] = f("Ready, Progressing, TransferHealthy, Degraded.", [])
-
-
 # ---- cross-field rules: CEL for the API server, a Python twin for offline render ----
 
 
@@ -316,13 +244,10 @@ class Rule:
     check: Callable[[Spec], bool]
 
 
-def _no_owned_flags(args: list[str]) -> bool:
-    return all(not a.startswith(flag) for a in args for flag in OWNED_FLAGS)
-
-
-def _cel_no_owned_flags(path: str) -> str:
-    flags = ", ".join(f"'{flag}'" for flag in OWNED_FLAGS)
-    return f"self.{path}.all(a, [{flags}].all(f, !a.startsWith(f)))"
+_OWNED_MESSAGE = (
+    f"must not set flags the operator owns ({', '.join([*OWNED_FLAGS, *SHORT_ALIASES])}) in any "
+    "spelling vLLM accepts (_ for -, =value, .key, abbreviations)"
+)
 
 
 _EFA_LIST = "[" + ", ".join(f"'{a}'" for a in EFA_ACCELERATORS) + "]"
@@ -412,21 +337,21 @@ RULES: list[Rule] = [
     ),
     Rule(
         ".prefill.extraArgs",
-        _cel_no_owned_flags("prefill.extraArgs"),
-        f"prefill.extraArgs must not set flags the operator owns: {', '.join(OWNED_FLAGS)}",
-        lambda s: _no_owned_flags(s.prefill.extra_args),
+        cel_no_owned_flags("prefill.extraArgs"),
+        f"prefill.extraArgs {_OWNED_MESSAGE}",
+        lambda s: not owned_flags_in(s.prefill.extra_args),
     ),
     Rule(
         ".decode.extraArgs",
-        _cel_no_owned_flags("decode.extraArgs"),
-        f"decode.extraArgs must not set flags the operator owns: {', '.join(OWNED_FLAGS)}",
-        lambda s: _no_owned_flags(s.decode.extra_args),
+        cel_no_owned_flags("decode.extraArgs"),
+        f"decode.extraArgs {_OWNED_MESSAGE}",
+        lambda s: not owned_flags_in(s.decode.extra_args),
     ),
     Rule(
         ".vllm.extraArgs",
-        _cel_no_owned_flags("vllm.extraArgs"),
-        f"vllm.extraArgs must not set flags the operator owns: {', '.join(OWNED_FLAGS)}",
-        lambda s: _no_owned_flags(s.vllm.extra_args),
+        cel_no_owned_flags("vllm.extraArgs"),
+        f"vllm.extraArgs {_OWNED_MESSAGE}",
+        lambda s: not owned_flags_in(s.vllm.extra_args),
     ),
 ]
 

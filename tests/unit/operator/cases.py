@@ -86,6 +86,23 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         make_inference("bad12").decode(extraArgs=["--kv-transfer-config={}"]).obj(),
         "spec.decode.extraArgs",
     ),
+    *[
+        (f"owned-flag-alias-{i}", make_inference(f"alias{i}").set(**{key: {"extraArgs": args}}).obj(), path)
+        for i, (key, args, path) in enumerate(
+            [
+                ("vllm", ["--kv_transfer_config={}"], "spec.vllm.extraArgs"),
+                ("prefill", ["-tp", "8"], "spec.prefill.extraArgs"),
+                ("decode", ["-tp=8"], "spec.decode.extraArgs"),
+                ("decode", ["-t", "8"], "spec.decode.extraArgs"),
+                ("prefill", ["--tensor-parallel", "8"], "spec.prefill.extraArgs"),
+                ("vllm", ["--config", "/etc/vllm.yaml"], "spec.vllm.extraArgs"),
+                ("decode", ["--kv-transfer-config.engine_id", "x"], "spec.decode.extraArgs"),
+                ("prefill", ["--served_model=x"], "spec.prefill.extraArgs"),
+                ("decode", ["--port=9000"], "spec.decode.extraArgs"),
+                ("vllm", ["--no-enable-prefix-caching"], "spec.vllm.extraArgs"),
+            ]
+        )
+    ],
     (
         "trn1-device-buffer",
         make_inference("bad13", accelerator="trn1").kv(bufferDevice="device").obj(),
@@ -113,5 +130,10 @@ VALID = {
     .obj(),
     "vllm-push-efa": make_inference("ok3", accelerator="p5")
     .kv(connector="vllm", backends=["LIBFABRIC"])
+    .obj(),
+    # Flags near owned ones but not theirs: a prefix rule must not catch them.
+    "unowned-extra-args": make_inference("ok4")
+    .vllm(extraArgs=["--config-format=hf", "-O3", "--max-num-seqs=64", "--enforce-eager"])
+    .prefill(extraArgs=["--gpu-memory-utilization", "0.9", "-q", "fp8"])
     .obj(),
 }

@@ -1,0 +1,71 @@
+"""Status schema step: the shape of a DisaggregatedInference's status, for the CRD (status.py fills it).
+
+Kept apart from spec.py (the user's API) so each stays a readable size; crdgen.py reads both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvferry.operator.spec import f
+
+
+@dataclass
+class RoleStatus:
+    """Observed state of one role's StatefulSet."""
+
+    desired: int = f("Replicas the operator asked for.", 0)
+    replicas: int = f("Pods that exist.", 0)
+    ready_replicas: int = f("Pods that are Ready.", 0)
+    updated_replicas: int = f("Pods on the current revision.", 0)
+    summary: str = f("ready/desired, for `kubectl get`.", "")
+    selector: str = f("Label selector of the role's pods (for the scale subresource and HPA).", "")
+
+
+@dataclass
+class RouterStatus:
+    replicas: int = f("Router pods.", 0)
+    ready_replicas: int = f("Ready router pods.", 0)
+
+
+@dataclass
+class TransferStatus:
+    """Connector metrics summed over the pods by the status timer."""
+
+    mode: str = f("Transfer mode in effect.", "")
+    backend: str = f("NIXL backend the pods report.", "")
+    transfers: int = f("Completed transfers (total).", 0)
+    failures: int = f("Failed transfers (total).", 0)
+    p50: str = f("Median transfer time, e.g. 41ms.", "")
+    p99: str = f("99th-percentile transfer time.", "")
+    p50_seconds: float | None = f("Median transfer time in seconds.", None)
+    p99_seconds: float | None = f("99th-percentile transfer time in seconds.", None)
+    local_tokens: int = f("Prompt tokens decode computed itself.", 0)
+    external_tokens: int = f("Prompt tokens decode received as KV.", 0)
+    layout_mismatches: int = f("Transfers refused because P's and D's KV layouts cannot be mapped.", 0)
+    last_failure: str = f("Reason label of the most recent failures.", "")
+    last_failure_time: str = f("When failures last increased.", "")
+    scraped_pods: int = f("Pods whose metrics were read in the last scrape.", 0)
+    last_scrape_time: str = f("When a scrape last changed this summary.", "")
+
+
+@dataclass
+class Condition:
+    type: str = f("Ready, Progressing, TransferHealthy or Degraded.")
+    status: str = f("True, False or Unknown.", enum=["True", "False", "Unknown"])
+    reason: str = f("CamelCase reason.", "")
+    message: str = f("Human-readable detail.", "")
+    observed_generation: int = f("Generation this condition was computed for.", 0)
+    last_transition_time: str = f("When status last flipped.", "")
+
+
+@dataclass
+class Status:
+    observed_generation: int = f("Last generation reconciled.", 0)
+    revision: str = f("Hash of what prefill and decode must agree on; a pod label on both roles.", "")
+    endpoint: str = f("URL clients call (the router Service).", "")
+    prefill: RoleStatus = f("Prefill StatefulSet.", RoleStatus())
+    decode: RoleStatus = f("Decode StatefulSet.", RoleStatus())
+    router: RouterStatus = f("Router Deployment.", RouterStatus())
+    transfer: TransferStatus = f("KV transfer summary.", TransferStatus())
+    conditions: list[Condition] = f("Ready, Progressing, TransferHealthy, Degraded.", [])
