@@ -16,6 +16,7 @@ from typing import Any
 from kvferry.operator import names, secrets, status
 from kvferry.operator.apply import Kube, KubeError, now_iso
 from kvferry.operator.config import OperatorConfig
+from kvferry.operator.drift import drifted
 from kvferry.operator.render import render
 from kvferry.operator.spec import SpecError
 from kvferry.operator.status import ConditionType, EventReason, Observed
@@ -268,41 +269,6 @@ def reconcile(
     out.status = write_observed_status(kube, cr, observed, watched, compute)
     out.events += flip_events(previous, out.status)
     return out
-
-
-def _prunes_away(value: Any) -> bool:
-    """An empty map or list, or a map of only such values: the API server stores nothing for it."""
-    if isinstance(value, dict):
-        return all(_prunes_away(v) for v in value.values())
-    return value == []
-
-
-def is_subset(desired: Any, actual: Any) -> bool:
-    """Whether every field we render is present with our value (server defaults may add more).
-
-    The API server prunes empty maps and lists (`resources: {requests: {}}` comes back without
-    `requests`), so an empty rendered value matches an absent one; otherwise every reconcile of such
-    an object would look like drift and re-apply it, forever.
-    """
-    if actual is None and _prunes_away(desired):
-        return True
-    if isinstance(desired, dict):
-        return isinstance(actual, dict) and all(is_subset(v, actual.get(k)) for k, v in desired.items())
-    if isinstance(desired, list):
-        return (
-            isinstance(actual, list)
-            and len(actual) == len(desired)
-            and all(is_subset(d, a) for d, a in zip(desired, actual, strict=True))
-        )
-    return str(desired) == str(actual)
-
-
-def drifted(desired: dict[str, Any], actual: dict[str, Any]) -> bool:
-    """A managed object differs from the render in fields we own (metadata labels, spec, data, rules)."""
-    for key in ("spec", "data", "rules", "roleRef", "subjects"):
-        if key in desired and not is_subset(desired[key], actual.get(key)):
-            return True
-    return not is_subset(desired["metadata"].get("labels", {}), actual["metadata"].get("labels", {}))
 
 
 def on_owned_change(

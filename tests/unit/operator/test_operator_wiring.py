@@ -8,7 +8,7 @@ import kopf
 import pytest
 from kvferry.operator import handlers, rbac
 from kvferry.operator.config import OperatorConfig
-from kvferry.operator.reconcile import drifted, is_subset
+from kvferry.operator.drift import drifted, is_subset, quantity
 from kvferry.operator.render import render
 from kvferry.operator.run import parse
 
@@ -117,3 +117,37 @@ def test_every_setting_is_documented() -> None:
     text = (ROOT / "docs/operator.md").read_text()
     missing = [env for _, env, _, _ in describe() if f"`{env}`" not in text]
     assert not missing, f"docs/operator.md lacks {missing}"
+
+
+def test_quantities_compare_as_values_where_fields_hold_quantities() -> None:
+    # What the API server stores for what we render: 8 x 640Mi hugepages -> 5Gi, 1000m cpu -> 1.
+    res = {"limits": {"hugepages-2Mi": "5120Mi", "cpu": "1000m", "memory": "0.5Gi"}, "requests": {"cpu": "8"}}
+    stored = {"limits": {"hugepages-2Mi": "5Gi", "cpu": "1", "memory": "512Mi"}, "requests": {"cpu": 8}}
+    assert is_subset({"resources": res}, {"resources": stored})
+    assert is_subset({"emptyDir": {"sizeLimit": "20480Mi"}}, {"emptyDir": {"sizeLimit": "20Gi"}})
+    assert not is_subset({"limits": {"cpu": "1001m"}}, {"limits": {"cpu": "1"}}, "resources")
+    assert not is_subset({"image": "1000m"}, {"image": "1"})  # only quantity fields compare as values
+    assert quantity("1e3") == quantity("1k") == 1000 and quantity("abc") is None
+
+
+def test_every_preset_render_matches_its_canonical_stored_form() -> None:
+    """Each rendered quantity, rewritten the way the API server canonicalises it, is still no drift."""
+    for accel in ("p5en", "p5", "trn2", "trn1", "cpu"):
+        tp = 8 if accel != "cpu" else 1
+        builder = make_inference("c", accelerator=accel).prefill(tensorParallelSize=tp)
+        for obj in render(builder.obj()).objects:
+            assert not drifted(obj, _canonical(obj)), (accel, obj["kind"])
+
+
+def _canonical(obj, key: str = ""):
+    """Quantities as the API server prints them: the largest binary suffix that divides, else millis."""
+    if isinstance(obj, dict):
+        return {k: _canonical(v, k if key not in ("requests", "limits") else key) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_canonical(v, key) for v in obj]
+    if key in ("requests", "limits", "sizeLimit") and (q := quantity(obj)) is not None:
+        for suffix, mult in (("Gi", 2**30), ("Mi", 2**20)):
+            if q and q % mult == 0:
+                return f"{q // mult}{suffix}"
+        return str(int(q)) if q.denominator == 1 else f"{int(q * 1000)}m"
+    return obj

@@ -1,0 +1,90 @@
+"""Drift step: does a stored object still hold what we render? Compared as Kubernetes values (pure).
+
+The API server stores values in its own canonical form: a rendered `5120Mi` comes back as `5Gi`,
+`1000m` as `1`, `"8"` as `8`; it fills defaults we never render and prunes empty maps and lists.
+Comparing text would call every such object drifted, and each watch event on it (a pod turning
+ready) would re-apply everything and post a false DriftCorrected: a drift storm.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Any
+
+# Keys whose values are Kubernetes quantities (resources.requests/limits maps, emptyDir sizeLimit).
+QUANTITY_MAPS = {"requests", "limits"}
+QUANTITY_KEYS = {"sizeLimit", "storage"}
+_SUFFIX = {
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+    "n": Fraction(1, 10**9),
+    "u": Fraction(1, 10**6),
+    "m": Fraction(1, 10**3),
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+}
+_QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:([eE][+-]?\d+)|(" + "|".join(_SUFFIX) + "))?$")
+
+
+def quantity(value: Any) -> Fraction | None:
+    """The exact value of a Kubernetes quantity (`5Gi`, `1000m`, `1e3`, `8`), or None if it is not one."""
+    match = _QUANTITY.match(str(value).strip())
+    if match is None:
+        return None
+    number, exponent, suffix = match.groups()
+    scale = Fraction(10) ** int(exponent[1:]) if exponent else Fraction(_SUFFIX.get(suffix or "", 1))
+    return Fraction(number) * scale
+
+
+def same_scalar(desired: Any, actual: Any, quantities: bool) -> bool:
+    if str(desired) == str(actual):  # the API server may store "8" as 8 (int-or-string fields)
+        return True
+    if quantities:
+        a, b = quantity(desired), quantity(actual)
+        return a is not None and a == b
+    return False
+
+
+def _prunes_away(value: Any) -> bool:
+    """An empty map or list, or a map of only such values: the API server stores nothing for it."""
+    if isinstance(value, dict):
+        return all(_prunes_away(v) for v in value.values())
+    return value == []
+
+
+def is_subset(desired: Any, actual: Any, key: str = "", parent: str = "") -> bool:
+    """Whether every field we render is present with our value (server defaults may add more).
+
+    An empty rendered map or list matches an absent one (the server prunes them); quantities
+    compare by value.
+    """
+    if actual is None and _prunes_away(desired):
+        return True
+    if isinstance(desired, dict):
+        return isinstance(actual, dict) and all(
+            is_subset(v, actual.get(k), k, key) for k, v in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(actual, list)
+            and len(actual) == len(desired)
+            and all(is_subset(d, a, key, parent) for d, a in zip(desired, actual, strict=True))
+        )
+    return same_scalar(desired, actual, parent in QUANTITY_MAPS or key in QUANTITY_KEYS)
+
+
+def drifted(desired: dict[str, Any], actual: dict[str, Any]) -> bool:
+    """A managed object differs from the render in fields we own (metadata labels, spec, data, rules)."""
+    for key in ("spec", "data", "rules", "roleRef", "subjects"):
+        if key in desired and not is_subset(desired[key], actual.get(key), key):
+            return True
+    return not is_subset(desired["metadata"].get("labels", {}), actual["metadata"].get("labels", {}))
