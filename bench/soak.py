@@ -14,8 +14,9 @@ requests the client cancels, and each fault with the number of sent requests at 
 - client cancels (--cancels): a streamed request closed after its first 1-3 chunks (mid-stream), or
   one in three closed after 0.05-1 s whatever it got by then (before its first token, usually).
 
-Faults run one after another. The run goes on past --requests until --tail requests were sent after
-the last fault ended, so the first requests after a restart are always measured.
+Faults run one after another, and each is followed by at least --tail requests on the whole stack
+before the next fires (later than planned if need be); the run goes on past --requests until --tail
+requests were sent after the last one, so the first requests after every restart are measured.
 
 Every request is classified:
 - ok: a complete answer: HTTP 200 and `max_tokens` completion tokens (`ignore_eos`); a stream must
@@ -67,6 +68,7 @@ from typing import Any
 import httpx
 from kvferry.connector.pdstack import ENGINE_ROLES, MemoryWatch, PdStack, kvferry_connector_available
 from kvferry.connector.promtext import parse_metrics
+from kvferry.local.tinymodel import ensure
 
 FAULT_KINDS = ("kill-prefill", "kill-decode", "stop-prefill")
 DEADLINES = {"prefill_s": 15.0, "decode_first_token_s": 15.0, "transfer_s": 10.0, "total_s": 40.0}
@@ -112,8 +114,9 @@ class Req:
 @dataclass
 class Fault:
     kind: str
-    at: int  # fires once this many requests were sent
+    at: int  # planned: fires once this many requests were sent (and --tail after the previous fault)
     stop_s: float = 0.0
+    fired_at: int = 0
     started: float = 0.0
     detail: str = ""
 
@@ -206,11 +209,14 @@ class Soak:
 
     async def run_faults(self) -> None:
         try:
+            after = 0
             for f in self.faults:
-                while self.sent < f.at:
+                while self.sent < max(f.at, after + self.cfg.tail):
                     await asyncio.sleep(0.05)
+                f.fired_at = self.sent
                 await asyncio.to_thread(self._fault, f)
-                print(f"  fault {f.kind} at request {f.at}: {f.detail}", flush=True)
+                after = self.sent
+                print(f"  fault {f.kind} at request {f.fired_at}: {f.detail}", flush=True)
         finally:
             self.sent_after_faults = self.sent
 
@@ -339,21 +345,18 @@ class Soak:
                 await self.dispatch(client, faults)
             await faults  # raises when a restart failed
         finally:
-            if not faults.done():
-                faults.cancel()
+            faults.cancel()  # no-op once done
             rss.cancel()
             await asyncio.gather(faults, rss, return_exceptions=True)
 
 
 def summarize(soak: Soak, gauges: dict[str, float], settle_s: float, wall_s: float) -> dict[str, Any]:
-    orphans, held = soak.stack.orphan_shm()
-    shm = {"orphans": orphans, "held_by_live_engine": held}
     outs, cfg = soak.outcomes, soak.cfg
     counts = Counter(o.result for o in outs)
     errors, lost = [o for o in outs if o.result == "error"], [o for o in outs if o.result == "lost"]
     avoidable = [o for o in outs if o.avoidable]
-    answered = sorted(o.end - o.start for o in outs if o.result in ("ok", "recomputed"))
     router = parse_metrics(httpx.get(soak.stack.url + "/metrics", timeout=10).text)
+    answered = sorted(o.end - o.start for o in outs if o.result in ("ok", "recomputed"))
     examples = lambda os_: [  # noqa: E731
         {**asdict(o.req), "status": o.status, "code": o.code, "detail": o.detail, "s": o.end - o.start}
         for o in os_[:8]
@@ -370,11 +373,12 @@ def summarize(soak: Soak, gauges: dict[str, float], settle_s: float, wall_s: flo
         "over_total_s": sum(o.end - o.start > cfg.deadlines["total_s"] for o in outs if o.result != "lost"),
         "answer_s": {"p50": statistics.median(answered), "max": answered[-1]} if answered else {},
         "faults": [
-            {"kind": f.kind, "at_request": f.at, "at_s": round(f.started - t0, 1), "detail": f.detail}
+            {"kind": f.kind, "at_request": f.fired_at, "at_s": round(f.started - t0, 1), "detail": f.detail}
             for f in soak.faults
         ],
         "gauges": gauges, "gauges_ok": not any(gauges.values()), "settle_s": round(settle_s, 1),
-        "memory": soak.memory.report(), "shm": shm,
+        "memory": soak.memory.report(),
+        "shm": dict(zip(("orphans", "held_by_live_engine"), soak.stack.orphan_shm(), strict=True)),
         "router_counters": {
             k: v for k, v in router.items()
             if k.startswith(("kvferry_router_requests_total", "kvferry_router_recomputes_total",
@@ -429,16 +433,14 @@ def run(cfg: Config, model: Path, workdir: Path) -> dict[str, Any]:
         gauges, settle_s = stack.settle(cfg.settle_s)
         soak.memory.sample()
         summary = summarize(soak, gauges, settle_s, time.monotonic() - t0)
-        summary["pass"] = passed(summary)
-        return summary
+        return summary | {"pass": passed(summary)}
     finally:
         stack.stop()
         stack.remove_orphan_shm()  # only files the engines this run killed had mapped
 
 
-def _pair(text: str, kind: type = float) -> tuple[Any, Any]:
-    a, b = text.split(",")
-    return kind(a), kind(b)
+def _pair(text: str, kind: type = float) -> tuple[Any, ...]:
+    return tuple(kind(x) for x in text.split(",", 1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -458,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadlines", type=json.loads, default={}, help="router deadlines (JSON) to change")
     p.add_argument("--router-config", type=json.loads, default={}, help='e.g. {"limits": {...}}')
     p.add_argument("--slack", type=float, default=Config.slack_s, help="seconds past total_s = lost")
-    p.add_argument("--tail", type=int, default=Config.tail, help="requests after the last fault ends")
+    p.add_argument("--tail", type=int, default=Config.tail, help="requests after each fault ends")
     p.add_argument("--settle", type=float, default=Config.settle_s, help="seconds for gauges to reach 0")
     p.add_argument("--workdir", type=Path, default=None, help="logs (default: a new temporary folder, kept)")
     p.add_argument("--out", type=Path, default=Path("bench/results/soak"))
@@ -477,8 +479,6 @@ def main(argv: list[str] | None = None) -> int:
     if not kvferry_connector_available():
         print("the kvferry connector is not in this checkout", file=sys.stderr)
         return 2
-    from kvferry.local.tinymodel import ensure
-
     workdir = a.workdir or Path(tempfile.mkdtemp(prefix="kvferry-soak-"))
     try:
         summary = run(cfg, ensure("llama"), workdir)
