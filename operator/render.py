@@ -30,6 +30,10 @@ TEMPLATES = (
     "router-service.yaml.j2",
     "networkpolicy.yaml.j2",
 )
+# The kvferry connector's wire protocol version (connector/wire.py PROTOCOL_VERSION), pinned in
+# docs/contracts.md §3: the operator may not import connector code, so the contract holds the number
+# and tests/unit/operator/test_revision_covers_the_data_path.py checks all three agree.
+CONNECTOR_PROTOCOL_VERSION = 4
 ROLE_TEMPLATES = {"service-headless.yaml.j2", "statefulset.yaml.j2", "pdb.yaml.j2"}
 
 _env = jinja2.Environment(
@@ -52,11 +56,14 @@ class Rendered:
     spec: Spec
 
 
-def revision_of(spec: Spec, plans: dict[str, PodPlan]) -> str:
+def revision_of(spec: Spec, plans: dict[str, PodPlan], injector_image: str) -> str:
     """Hash of everything P and D must agree on; equal hashes mean the router may pair the pods.
 
-    TP size, replicas and per-role args are left out on purpose: the connector maps across TP
-    sizes, and changing one role's extras must not break pairing with the other role.
+    Covers the whole data path: model, engine images, the connector's source (with inject, the
+    operator image it is copied from: an operator upgrade must not pair old and new connectors)
+    and wire protocol version, KV transfer and shared vLLM settings. TP size, replicas and per-role
+    args are left out on purpose: the connector maps across TP sizes, and changing one role's
+    extras must not break pairing with the other role.
     """
     kv = asdict(spec.kv_transfer)
     if kv["connector_source"] == "image":
@@ -70,6 +77,10 @@ def revision_of(spec: Spec, plans: dict[str, PodPlan]) -> str:
         "backends": plans["prefill"].backends,
         "vllm": {**asdict(spec.vllm), "block_size": presets.block_size(spec)},  # effective, not as written
     }
+    if spec.kv_transfer.connector == "kvferry":
+        shared["protocol"] = CONNECTOR_PROTOCOL_VERSION
+    if spec.kv_transfer.connector_source == "inject":
+        shared["injector"] = injector_image
     return names.short_hash(json.dumps(shared, sort_keys=True))
 
 
@@ -249,14 +260,15 @@ def render(
     spec = parse_spec(cr.get("spec"), cr_name)
     observed = observed_replicas or {}
     plans = {role: merge(spec, role) for role in names.ROLES}
-    revision = revision_of(spec, plans)
+    injector_image = spec.router.image or router_image  # injection.context's init container image
+    revision = revision_of(spec, plans, injector_image)
     roles = []
     for role in names.ROLES:
         rspec = getattr(spec, role)
         current = observed.get(role)
         replicas = current if rspec.replicas_owner == "autoscaler" and current is not None else rspec.replicas
         ctx = role_context(spec, cr_name, role, plans[role], revision, replicas)
-        ctx["inject"] = injection.context(spec, plans[role], spec.router.image or router_image)
+        ctx["inject"] = injection.context(spec, plans[role], injector_image)
         roles.append(ctx)
     context = {
         "namespace": namespace,
