@@ -69,6 +69,8 @@ def test_same_layout_uses_prepped_lists_or_units_and_stays_exact(procs, mode):
     prod.call("finish", "r", 0, [1, 2, 3, 4], 60, "decode-0")
     assert cons.call("results", 20.0, 1)["received"] == [("r", 0)]
     assert cons.call("mismatches", [5, 6, 7, 9], 60) == 0
+    # D may see the WRITE's notice before P polled it done (and counted its bytes): wait for P's result
+    assert prod.call("results", 20.0, 1)["sent"] == [("r", 0)]
     text = prod.call("metrics")
     assert f'kvferry_descriptors_per_transfer_count{{mode="{mode}"}} 1.0' in text
     # bytes carry the backend that moved them; the start-up preflight names the backend it created
