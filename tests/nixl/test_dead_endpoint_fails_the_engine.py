@@ -1,0 +1,42 @@
+"""If the endpoint thread ever stops serving (a bug in a round, outside any one request's guard), the
+engine must not go on serving requests whose transfers nobody moves: the worker raises at vLLM's next
+step, vLLM's engine core dies with it, and vLLM's /health answers 503 (EngineDeadError), so
+Kubernetes restarts the pod. Real endpoint and NIXL agent, in this process."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from kvferry.connector.config import KvferryConfig
+from kvferry.connector.endpoint import Endpoint
+from kvferry.connector.hostkv import CacheShape, host_kv
+
+pytestmark = pytest.mark.nixl
+
+
+def test_a_dead_endpoint_thread_fails_the_engine_loudly(monkeypatch):
+    pytest.importorskip("vllm", reason="the worker glue runs inside vLLM")
+    from kvferry.connector.worker import KvferryWorker
+
+    kv = host_kv(CacheShape(), 0)
+    cfg = KvferryConfig.from_extra({"backends": ["UCX"], "side_channel_port": 0})
+    ep = Endpoint(cfg, role="consumer", engine_id="decode-0", tp_rank=0, tp_size=1, layout=kv.layout).start()
+    try:
+
+        def broken(now: float) -> list:
+            raise RuntimeError("a bug in the round")
+
+        monkeypatch.setattr(ep.consumer, "tick", broken)
+        ep.kick()
+        end = time.monotonic() + 10
+        while not ep.dead and time.monotonic() < end:
+            time.sleep(0.05)
+        assert ep.dead == "RuntimeError: a bug in the round"
+        assert not ep._thread.is_alive()
+        worker = KvferryWorker.__new__(KvferryWorker)  # only the step hook is exercised
+        worker.endpoint = ep
+        with pytest.raises(RuntimeError, match="kvferry endpoint thread died .*a bug in the round"):
+            worker.get_transfer_results()
+    finally:
+        ep.close()
