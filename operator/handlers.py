@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 import kopf
-from kvferry.operator import names, peering, reconcile, scrape, selfmetrics
+from kvferry.operator import names, peering, publish, reconcile, scrape, selfmetrics
 from kvferry.operator.apply import Kube, load_configuration
 from kvferry.operator.config import OperatorConfig
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
@@ -70,7 +70,7 @@ def _first(index: Any, key: Any) -> Any:
         return None
 
 
-def watched_by(owned: Any, cr: Any) -> reconcile.Watched:
+def watched_by(owned: Any, cr: Any) -> publish.Watched:
     """The CR's workloads as the watch last saw them, looked up when asked (a reconcile runs long)."""
     ns, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
     return lambda role: _first(owned, (ns, name, role))
@@ -166,8 +166,9 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     @kopf.timer(
         *CR, id="transfer-status", interval=cfg.metrics_interval, initial_delay=1.0, registry=registry
     )
-    def transfer_status(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-        post(body, reconcile.Outcome(events=scrape.scrape(memo.kube, _plain(body), cfg, memo.fetch)))
+    def transfer_status(body: kopf.Body, memo: kopf.Memo, owned: kopf.Index, **_: Any) -> None:
+        events = scrape.scrape(memo.kube, _plain(body), cfg, memo.fetch, watched_by(owned, body))
+        post(body, reconcile.Outcome(events=events))
 
     @kopf.timer(
         *CR, id="resync", interval=cfg.resync_interval, initial_delay=cfg.resync_interval, registry=registry

@@ -24,6 +24,10 @@ FIXES: dict[Reason, str] = {
     Reason.INVALID_SPEC: "correct the field the message names (kubectl explain disaggregatedinference.spec)",
     Reason.APPLY_FAILED: "read the API error in the message: RBAC of the operator, quota, or admission",
     Reason.SECRET_MISSING: "create the Secret the message names in the CR's namespace",
+    Reason.CONFLICT: (
+        "an object the message names exists and belongs to someone else: the operator leaves it alone; "
+        "delete or rename it, or rename the DisaggregatedInference"
+    ),
     Reason.TRANSFER_UNHEALTHY: "see the TransferHealthy condition's reason",
     Reason.NO_TRAFFIC: "send a request through the router endpoint (status.endpoint)",
     Reason.TRANSFER_FAILURES: (
@@ -67,12 +71,13 @@ def explain(reason: Reason, message: str) -> str:
     return f"{message}. Fix: {FIXES[reason]}"
 
 
-# Conditions each non-TransferHealthy reason can appear on (status.py summarize / degraded_from_transfer).
+# Conditions each non-TransferHealthy reason can appear on (status.conditions).
 _CONDITIONS = {
     Reason.ALL_READY: "Ready",
     Reason.RECONCILED: "Progressing, Degraded",
     Reason.INVALID_SPEC: "Ready, Progressing, Degraded",
     Reason.APPLY_FAILED: "Ready, Progressing, Degraded",
+    Reason.CONFLICT: "Ready, Progressing, Degraded",
     Reason.TRANSFER_UNHEALTHY: "Degraded",
     Reason.SECRET_MISSING: "Degraded",
     **{

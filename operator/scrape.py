@@ -18,14 +18,13 @@ import httpx
 from kvferry.operator import names, podchecks, remedies, selfmetrics, status, transfer_metrics
 from kvferry.operator.apply import Kube, now_iso
 from kvferry.operator.config import OperatorConfig, check_template
-from kvferry.operator.reconcile import Event, write_status
+from kvferry.operator.publish import Watched, no_watch, publish
+from kvferry.operator.reconcile import Event
 from kvferry.operator.spec import EFA_ACCELERATORS
-from kvferry.operator.status import ConditionType, EventReason, Reason
+from kvferry.operator.status import ConditionType, EventReason, Observed, Verdict
 
 Fetch = Callable[[str], str | None]
 MAX_METRICS_BYTES = 8 << 20  # vLLM + kvferry /metrics is tens of KiB; anything near this is not metrics
-# Degraded reasons that outrank transfer health (the reconcile owns them).
-_RECONCILE_FAULTS = {Reason.APPLY_FAILED.value, Reason.INVALID_SPEC.value}
 
 
 def http_fetcher(timeout_s: float, max_bytes: int = MAX_METRICS_BYTES) -> Fetch:
@@ -80,7 +79,21 @@ def metrics_urls(pods: list[dict[str, Any]], template: str, cr_name: str) -> dic
     return urls
 
 
-def scrape(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, fetch: Fetch) -> list[Event]:
+def _watched_or_read(kube: Kube, cr: dict[str, Any], watched: Watched) -> Watched:
+    """The watch's copy of each workload, else one read (a timer may fire before the index has it)."""
+    meta = cr["metadata"]
+    kinds = {role: ("StatefulSet", names.role_name(meta["name"], role)) for role in names.ROLES}
+    kinds["router"] = ("Deployment", names.router_name(meta["name"]))
+    copies = {
+        role: watched(role) or kube.get(kind, meta["namespace"], name) for role, (kind, name) in kinds.items()
+    }
+    return lambda role: watched(role) or copies.get(role)
+
+
+def scrape(
+    kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, fetch: Fetch, watched: Watched = no_watch
+) -> list[Event]:
+    """Read the engines' metrics and publish the TransferHealthy verdict (with every other condition)."""
     meta, spec = cr["metadata"], cr.get("spec") or {}
     previous = cr.get("status") or {}
     if not previous.get("revision"):
@@ -92,35 +105,26 @@ def scrape(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, fetch: Fetch) ->
         for role, urls in metrics_urls(pods, cfg.metrics_url, meta["name"]).items()
     }
     kv = spec.get("kvTransfer") or {}
-    verdicts = []
+    verdicts: list[Verdict] = []
 
-    def compute(prev: dict[str, Any]) -> dict[str, Any]:
+    def finding(before: dict[str, Any]) -> tuple[dict[str, Any], Verdict]:
         now = now_iso()
         summary, verdict = transfer_metrics.summarize(
             texts["prefill"],
             texts["decode"],
-            previous=prev.get("transfer") or {},
+            previous=before,
             mode=kv.get("mode", "push"),
             efa=spec.get("accelerator") in EFA_ACCELERATORS,
             now=now,
         )
         if refusal is not None:
             verdict = ("False", *refusal)
-        verdict = (verdict[0], verdict[1], remedies.explain(verdict[1], verdict[2]))
-        verdicts.append(verdict)
-        gen = prev.get("observedGeneration", 0)
-        conditions = status.set_condition(
-            prev.get("conditions", []), ConditionType.TRANSFER_HEALTHY, *verdict, gen, now
-        )
-        degraded = status.condition({"conditions": conditions}, ConditionType.DEGRADED)
-        if not degraded or degraded.get("reason") not in _RECONCILE_FAULTS:
-            conditions = status.degraded_from_transfer(conditions, gen, now)
-        before = prev.get("transfer") or {}
+        verdicts.append((verdict[0], verdict[1], remedies.explain(verdict[1], verdict[2])))
         if all(before.get(k) == v for k, v in summary.items() if k != "lastScrapeTime"):
             summary["lastScrapeTime"] = before.get("lastScrapeTime", now)  # unchanged: no status write
-        return {"transfer": summary, "conditions": conditions}
+        return summary, verdicts[-1]
 
-    patch = write_status(kube, cr, compute)
+    patch = publish(kube, cr, Observed(), _watched_or_read(kube, cr, watched), transfer=finding)
     state, reason, message = verdicts[-1]
     selfmetrics.SCRAPES.labels("ok" if patch["transfer"]["scrapedPods"] else "no-pods-answered").inc()
     old = status.condition(previous, ConditionType.TRANSFER_HEALTHY)

@@ -1,7 +1,9 @@
 """Status step: observed StatefulSets/Deployment -> the CR's status and conditions (pure, no API access).
 
-`summarize` builds the whole status from what the apply step read back; `set_condition` keeps
-lastTransitionTime still unless a condition flips, so GitOps tools and `kubectl wait` see real changes.
+`summarize` builds the whole status from every observation (the reconcile's faults, the workloads, the
+metrics timer's transfer verdict) and `conditions` derives every condition from them with one
+precedence (DEGRADED_ORDER); publish.py is the one writer. `set_condition` keeps lastTransitionTime
+still unless a condition flips, so GitOps tools and `kubectl wait` see real changes.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Reason(str, Enum):
     APPLY_FAILED = "ApplyFailed"
     TRANSFER_UNHEALTHY = "TransferUnhealthy"
     SECRET_MISSING = "SecretMissing"  # Degraded: a Secret the spec references does not exist
+    CONFLICT = "Conflict"  # Degraded: an object of a name we render exists and is not this CR's
     # TransferHealthy reasons (set by the metrics timer, see transfer_metrics.py)
     TRANSFERS_OK = "TransfersSucceeding"
     NO_TRAFFIC = "NoTransfersYet"
@@ -55,6 +58,29 @@ class EventReason(str, Enum):
     DRIFT_CORRECTED = "DriftCorrected"
     TRANSFER_HEALTH = "TransferHealthChanged"
     SECRET_MISSING = "SecretMissing"
+    CONFLICT = "Conflict"
+
+
+# Degraded's reason when several faults hold: the first of these. The reconcile observes all but the
+# last; a writer that did not reconcile carries the reconcile's top fault from status.
+DEGRADED_ORDER = (
+    Reason.INVALID_SPEC,
+    Reason.APPLY_FAILED,
+    Reason.CONFLICT,
+    Reason.SECRET_MISSING,
+    Reason.TRANSFER_UNHEALTHY,
+)
+RECONCILE_FAULTS = DEGRADED_ORDER[:-1]
+# The cluster does not hold what the CR asks for: Ready and Progressing are False for these.
+BLOCKING = (Reason.INVALID_SPEC, Reason.APPLY_FAILED, Reason.CONFLICT)
+MOVING = (
+    Reason.ROLLING_OUT,
+    Reason.SCALING,
+    Reason.OBJECTS_MISSING,
+    Reason.PODS_NOT_READY,
+    Reason.ROUTER_NOT_READY,
+)
+Verdict = tuple[str, Reason, str]  # TransferHealthy (status, reason, message)
 
 
 @dataclass
@@ -63,11 +89,12 @@ class Observed:
 
     statefulsets: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     router: dict[str, Any] | None = None
-    apply_error: str = ""
-    spec_error: str = ""
-    # Names each referenced Secret that does not exist; None = not checked (a status refresh keeps
-    # what the last reconcile found, so the condition does not flap between reconciles).
-    secret_error: str | None = None
+    # The reconcile's findings (reason -> message, each of RECONCILE_FAULTS); None = not looked
+    # (refresh, timer): the last reconcile's top fault is carried from status.
+    faults: dict[Reason, str] | None = None
+    # The metrics timer's TransferHealthy verdict and transfer summary; None = carried from status.
+    transfer: Verdict | None = None
+    transfer_summary: dict[str, Any] | None = None
 
 
 def set_condition(
@@ -151,13 +178,15 @@ def summarize(
     previous: dict[str, Any],
     now: str,
 ) -> dict[str, Any]:
-    """The full new status; the transfer summary and TransferHealthy carry over (the timer owns them)."""
-    conditions = list(previous.get("conditions", []))
+    """The full new status from every observation; what `observed` lacks is carried from `previous`."""
+    transfer = (
+        previous.get("transfer", {}) if observed.transfer_summary is None else observed.transfer_summary
+    )
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "revision": revision,
         "endpoint": f"http://{names.service_name(cr_name)}.{namespace}.svc:{names.HTTP_PORT}",
-        "transfer": previous.get("transfer", {}),
+        "transfer": transfer,
     }
     problems: list[tuple[str, tuple[Reason, str]]] = []
     for role in names.ROLES:
@@ -172,68 +201,79 @@ def summarize(
     }
     if (problem := router_problem(dep, router_replicas)) is not None:
         problems.append(("router", problem))
-
-    failure = observed.spec_error or observed.apply_error
-    set_ = lambda c, s, r, m: set_condition(conditions, c, s, r, m, generation, now)  # noqa: E731
-    if failure:
-        reason = Reason.INVALID_SPEC if observed.spec_error else Reason.APPLY_FAILED
-        conditions = set_(ConditionType.READY, "False", reason, failure)
-        conditions = set_(ConditionType.PROGRESSING, "False", reason, failure)
-        conditions = set_(ConditionType.DEGRADED, "True", reason, failure)
-    else:
-        if problems:
-            who, (reason, message) = problems[0]
-            detail = "; ".join(f"{w}: {m}" for w, (_, m) in problems)
-            conditions = set_(ConditionType.READY, "False", reason, detail)
-            moving = any(
-                r
-                in (
-                    Reason.ROLLING_OUT,
-                    Reason.SCALING,
-                    Reason.OBJECTS_MISSING,
-                    Reason.PODS_NOT_READY,
-                    Reason.ROUTER_NOT_READY,
-                )
-                for _, (r, _) in problems
-            )
-            conditions = set_(ConditionType.PROGRESSING, "True" if moving else "False", reason, detail)
-        else:
-            msg = f"prefill {desired['prefill']}, decode {desired['decode']} ready on revision {revision}"
-            conditions = set_(ConditionType.READY, "True", Reason.ALL_READY, msg)
-            conditions = set_(ConditionType.PROGRESSING, "False", Reason.RECONCILED, "rollout complete")
-        conditions = degraded_from_transfer(conditions, generation, now)
-        if secret_error := missing_secret(observed, previous):  # pods cannot start: worse than transfer
-            conditions = set_(ConditionType.DEGRADED, "True", Reason.SECRET_MISSING, secret_error)
-    status["conditions"] = conditions
+    faults = carried_faults(previous) if observed.faults is None else observed.faults
+    verdict = observed.transfer or carried_verdict(previous)
+    ready_msg = f"prefill {desired['prefill']}, decode {desired['decode']} ready on revision {revision}"
+    status["conditions"] = conditions(
+        faults, problems, verdict, ready_msg, list(previous.get("conditions", [])), generation, now
+    )
     return status
 
 
-def missing_secret(observed: Observed, previous: dict[str, Any]) -> str:
-    """This reconcile's missing-Secret message, or the last one when this update did not check."""
-    if observed.secret_error is not None:
-        return observed.secret_error
-    prev = condition(previous, ConditionType.DEGRADED)
-    return prev["message"] if prev and prev.get("reason") == Reason.SECRET_MISSING.value else ""
-
-
-def degraded_from_transfer(
-    conditions: list[dict[str, Any]], generation: int, now: str
+def conditions(
+    faults: dict[Reason, str],
+    problems: list[tuple[str, tuple[Reason, str]]],
+    verdict: Verdict | None,
+    ready_msg: str,
+    previous: list[dict[str, Any]],
+    generation: int,
+    now: str,
 ) -> list[dict[str, Any]]:
-    """Degraded mirrors TransferHealthy=False when nothing worse (spec/apply failure) is going on."""
-    transfer = next((c for c in conditions if c["type"] == ConditionType.TRANSFER_HEALTHY.value), None)
-    if transfer and transfer["status"] == "False":
-        return set_condition(
-            conditions,
-            ConditionType.DEGRADED,
-            "True",
-            Reason.TRANSFER_UNHEALTHY,
-            f"{transfer['reason']}: {transfer['message']}",
-            generation,
-            now,
-        )
-    return set_condition(
-        conditions, ConditionType.DEGRADED, "False", Reason.RECONCILED, "no known faults", generation, now
-    )
+    """Every condition from every observation; Degraded by DEGRADED_ORDER, the same for each writer."""
+    found = dict(faults)
+    if verdict is not None and verdict[0] == "False":
+        found[Reason.TRANSFER_UNHEALTHY] = f"{verdict[1].value}: {verdict[2]}"
+    top = next((r for r in DEGRADED_ORDER if r in found), None)
+    conds = previous
+
+    def set_(ctype: ConditionType, state: str, reason: Reason, message: str) -> None:
+        nonlocal conds
+        conds = set_condition(conds, ctype, state, reason, message, generation, now)
+
+    if top in BLOCKING:
+        set_(ConditionType.READY, "False", top, found[top])
+        set_(ConditionType.PROGRESSING, "False", top, found[top])
+    elif problems:
+        reason = problems[0][1][0]
+        detail = "; ".join(f"{who}: {m}" for who, (_, m) in problems)
+        set_(ConditionType.READY, "False", reason, detail)
+        moving = any(r in MOVING for _, (r, _) in problems)
+        set_(ConditionType.PROGRESSING, "True" if moving else "False", reason, detail)
+    else:
+        set_(ConditionType.READY, "True", Reason.ALL_READY, ready_msg)
+        set_(ConditionType.PROGRESSING, "False", Reason.RECONCILED, "rollout complete")
+    if verdict is not None:
+        set_(ConditionType.TRANSFER_HEALTHY, *verdict)
+    if top is None:
+        set_(ConditionType.DEGRADED, "False", Reason.RECONCILED, "no known faults")
+    else:
+        set_(ConditionType.DEGRADED, "True", top, found[top])
+    return conds
+
+
+def _reason(value: Any) -> Reason | None:
+    try:
+        return Reason(value)
+    except ValueError:  # written by another operator version
+        return None
+
+
+def carried_faults(previous: dict[str, Any]) -> dict[Reason, str]:
+    """The last reconcile's top fault, as its Degraded condition shows it."""
+    degraded = condition(previous, ConditionType.DEGRADED)
+    reason = _reason((degraded or {}).get("reason"))
+    if degraded and degraded.get("status") == "True" and reason in RECONCILE_FAULTS:
+        return {reason: degraded.get("message", "")}
+    return {}
+
+
+def carried_verdict(previous: dict[str, Any]) -> Verdict | None:
+    """The metrics timer's last TransferHealthy verdict."""
+    health = condition(previous, ConditionType.TRANSFER_HEALTHY)
+    reason = _reason((health or {}).get("reason"))
+    if health is None or reason is None:
+        return None
+    return health["status"], reason, health.get("message", "")
 
 
 def condition(status: dict[str, Any], ctype: ConditionType) -> dict[str, Any] | None:

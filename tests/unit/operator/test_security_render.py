@@ -200,12 +200,14 @@ def test_missing_secret_sets_degraded_and_survives_a_status_refresh() -> None:
         router_replicas=1, now="t",
     )  # fmt: skip
     message = "secret hf (key token, spec.modelToken (HF_TOKEN)) not found in namespace ns"
-    first = status.summarize(status.Observed(secret_error=message), previous={}, **kw)
+    first = status.summarize(
+        status.Observed(faults={status.Reason.SECRET_MISSING: message}), previous={}, **kw
+    )
     degraded = status.condition(first, status.ConditionType.DEGRADED)
     assert (degraded["status"], degraded["reason"], degraded["message"]) == ("True", "SecretMissing", message)
     # A status refresh from watched objects does not check Secrets: it keeps the finding.
     refreshed = status.summarize(status.Observed(), previous=first, **kw)
     assert status.condition(refreshed, status.ConditionType.DEGRADED)["reason"] == "SecretMissing"
     # The next reconcile finds the Secret: the condition clears.
-    fixed = status.summarize(status.Observed(secret_error=""), previous=refreshed, **kw)
+    fixed = status.summarize(status.Observed(faults={}), previous=refreshed, **kw)
     assert status.condition(fixed, status.ConditionType.DEGRADED)["status"] == "False"

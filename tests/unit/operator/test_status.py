@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvferry.operator import names
-from kvferry.operator.status import ConditionType, Observed, condition, set_condition, summarize
+from kvferry.operator.status import ConditionType, Observed, Reason, condition, set_condition, summarize
 
 
 def _sts(rev: str, desired: int, ready: int, updated: int | None = None, gen: int = 1, seen: int = 1) -> dict:
@@ -61,7 +61,7 @@ def test_unobserved_statefulset_generation_is_not_ready() -> None:
 
 
 def test_apply_failure_is_degraded_and_conditions_carry_generation() -> None:
-    status = _summarize(Observed({}, None, apply_error="403 forbidden"), gen=7)
+    status = _summarize(Observed({}, None, faults={Reason.APPLY_FAILED: "403 forbidden"}), gen=7)
     degraded = condition(status, ConditionType.DEGRADED)
     assert (degraded["status"], degraded["reason"], degraded["observedGeneration"]) == (
         "True",

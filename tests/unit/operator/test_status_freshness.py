@@ -10,7 +10,7 @@ from typing import Any
 
 from kvferry.operator import names
 from kvferry.operator.apply import KubeError
-from kvferry.operator.reconcile import freshest, newer, write_observed_status
+from kvferry.operator.publish import freshest, newer, write_observed_status
 from kvferry.operator.status import ConditionType, Observed, condition, summarize
 
 
