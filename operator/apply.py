@@ -3,7 +3,8 @@
 One small client over the kubernetes package's ApiClient (no discovery round-trips: the kinds the operator
 touches are a fixed table). It counts requests so benchmarks can report API calls per reconcile.
 
-Conflicts: an apply first goes without `force`; on 409 it is repeated with `force=true`. The rendered
+Conflicts: an apply first goes without `force`; on 409 it is repeated with `force=true`. The reconcile
+applies only objects that are absent or controlled by the CR (reconcile.foreign_owner), and the rendered
 objects only hold fields the operator owns, so forcing only takes those back (a hand edit of the image,
 say); fields we never render (HPA-owned replicas, other controllers' annotations) are never touched.
 """

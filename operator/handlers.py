@@ -29,6 +29,7 @@ WATCHED = [
     ("", "v1", "configmaps"),
 ]
 RETRY_DELAY_S = 10
+CONFLICT_RETRY_S = 60  # a foreign object of our name goes away only when a person acts
 
 
 def post(body: Any, outcome: reconcile.Outcome) -> None:
@@ -42,15 +43,16 @@ def raise_for(outcome: reconcile.Outcome) -> None:
         raise kopf.PermanentError(outcome.invalid)
     if outcome.failed:
         raise kopf.TemporaryError(outcome.failed, delay=RETRY_DELAY_S)
+    if outcome.conflict:
+        raise kopf.TemporaryError(outcome.conflict, delay=CONFLICT_RETRY_S)
 
 
 def timed(trigger: str, run: Any) -> reconcile.Outcome:
     """Run one reconcile, counting it by trigger and result in the operator's own metrics."""
     with selfmetrics.RECONCILE_SECONDS.time():
         outcome = run()
-    result = (
-        "invalid" if outcome.invalid else "failed" if outcome.failed else "gone" if outcome.gone else "ok"
-    )
+    kinds = (("invalid", outcome.invalid), ("failed", outcome.failed), ("conflict", outcome.conflict))
+    result = next((kind for kind, what in (*kinds, ("gone", outcome.gone)) if what), "ok")
     selfmetrics.RECONCILES.labels(trigger, result).inc()
     return outcome
 

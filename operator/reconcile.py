@@ -31,6 +31,7 @@ class Outcome:
     status: dict[str, Any] = field(default_factory=dict)
     invalid: str = ""  # spec error: retrying cannot help
     failed: str = ""  # apply error: retry later
+    conflict: str = ""  # objects of our names that another owner controls: left alone, retried slowly
     drifted: list[str] = field(default_factory=list)
     gone: str = ""  # the namespace is being deleted: nothing to do, nothing to retry
 
@@ -70,6 +71,26 @@ def flip_events(previous: dict[str, Any], new: dict[str, Any]) -> list[Event]:
     return events
 
 
+def foreign_owner(kube: Kube, obj: dict[str, Any], cr_uid: str) -> str | None:
+    """Why `obj`'s name is taken by an object this CR does not control, or None (absent or ours).
+
+    Server-side apply would otherwise merge into whatever holds the name and add our owner reference:
+    anyone allowed to create a CR could rewrite a Service, Role or ConfigMap of that name, and the
+    garbage collector would delete it with the CR. (Between this read and the apply someone could
+    still create the object: a window of one request, which only a create-only apply would close.)
+    """
+    meta = obj["metadata"]
+    existing = kube.get(obj["kind"], meta.get("namespace"), meta["name"])
+    if existing is None:
+        return None
+    refs = existing["metadata"].get("ownerReferences") or []
+    controller = next((r for r in refs if r.get("controller")), None)
+    if controller is not None and controller.get("uid") == cr_uid and cr_uid:
+        return None
+    who = f"{controller['kind']} {controller['name']}" if controller else "no controller"
+    return f"{obj['kind']} {meta['name']} exists and is not this DisaggregatedInference's (owner: {who})"
+
+
 def reconcile(
     kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, *, trigger: str, watched: Watched = no_watch
 ) -> Outcome:
@@ -96,11 +117,15 @@ def reconcile(
     if secret_error:
         out.events.append(("Warning", EventReason.SECRET_MISSING, secret_error))
 
-    # Step 2: server-side apply every object; keep going past failures so one bad object blocks nothing.
+    # Step 2: server-side apply every object we control; keep going past failures so one bad object
+    # blocks nothing. An object of a rendered name that this CR does not control is left untouched.
     applied: dict[tuple[str, str], dict[str, Any]] = {}
-    errors = []
+    errors, conflicts = [], []
     for obj in rendered.objects:
         try:
+            if (foreign := foreign_owner(kube, obj, meta.get("uid", ""))) is not None:
+                conflicts.append(foreign)
+                continue
             applied[(obj["kind"], obj["metadata"]["name"])] = kube.apply(obj)
         except KubeError as exc:
             if exc.namespace_terminating:
@@ -109,16 +134,22 @@ def reconcile(
             errors.append(str(exc))
         if cfg.apply_pause_seconds:
             time.sleep(cfg.apply_pause_seconds)
-    out.failed = "; ".join(errors)
+    out.failed, out.conflict = "; ".join(errors), "; ".join(conflicts)
+    if out.conflict:
+        out.events.append(("Warning", EventReason.CONFLICT, out.conflict))
     if out.failed:
         out.events.append(("Warning", EventReason.APPLY_FAILED, out.failed))
-    elif trigger in ("create", "update"):
+    elif trigger in ("create", "update") and not out.conflict:
         out.events.append(
             ("Normal", EventReason.APPLIED, f"applied {len(applied)} objects, revision {rendered.revision}")
         )
 
     # Step 3: summarize from the objects the apply returned (they carry current status: no extra reads).
-    faults = {Reason.APPLY_FAILED: out.failed, Reason.SECRET_MISSING: secret_error}
+    faults = {
+        Reason.APPLY_FAILED: out.failed,
+        Reason.CONFLICT: out.conflict,
+        Reason.SECRET_MISSING: secret_error,
+    }
     observed = Observed(
         statefulsets={r: applied.get(("StatefulSet", names.role_name(name, r))) for r in names.ROLES},
         router=applied.get(("Deployment", names.router_name(name))),

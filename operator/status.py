@@ -58,7 +58,7 @@ class EventReason(str, Enum):
     DRIFT_CORRECTED = "DriftCorrected"
     TRANSFER_HEALTH = "TransferHealthChanged"
     SECRET_MISSING = "SecretMissing"
-    CONFLICT = "Conflict"
+    CONFLICT = "Conflict"  # an object of a rendered name belongs to someone else: left untouched
 
 
 # Degraded's reason when several faults hold: the first of these. The reconcile observes all but the
