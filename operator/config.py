@@ -70,6 +70,12 @@ class OperatorConfig:
         "KVFERRY_ROUTER_IMAGE",
         "Router image when a CR sets none (the operator image holds the router).",
     )
+    operator_namespace: str = setting(
+        "kvferry-system",
+        "KVFERRY_OPERATOR_NAMESPACE",
+        "Namespace the operator runs in (the chart sets it): only its pods there may read engine /metrics "
+        "by default (NetworkPolicy).",
+    )
     metrics_interval: float = setting(
         30.0, "KVFERRY_METRICS_INTERVAL", "Seconds between transfer-metrics scrapes per CR."
     )

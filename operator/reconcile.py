@@ -101,7 +101,12 @@ def reconcile(
     out = Outcome()
     # Step 1: render (pure). A spec the API server let through but render rejects is a permanent error.
     try:
-        rendered = render(cr, router_image=cfg.router_image, observed_replicas=observed_replicas(kube, cr))
+        rendered = render(
+            cr,
+            router_image=cfg.router_image,
+            observed_replicas=observed_replicas(kube, cr),
+            operator_namespace=cfg.operator_namespace,
+        )
     except SpecError as exc:
         out.invalid = str(exc)
         invalid = Observed(faults={Reason.INVALID_SPEC: out.invalid})
@@ -178,7 +183,10 @@ def on_owned_change(
     kind, obj_name = obj["kind"], obj["metadata"]["name"]
     try:
         desired = {
-            (o["kind"], o["metadata"]["name"]): o for o in render(cr, router_image=cfg.router_image).objects
+            (o["kind"], o["metadata"]["name"]): o
+            for o in render(
+                cr, router_image=cfg.router_image, operator_namespace=cfg.operator_namespace
+            ).objects
         }
     except SpecError:
         return Outcome()  # the CR's own handler reports invalid specs

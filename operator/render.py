@@ -249,11 +249,13 @@ def render(
     *,
     router_image: str = DEFAULT_ROUTER_IMAGE,
     observed_replicas: dict[str, int | None] | None = None,
+    operator_namespace: str = security.OPERATOR_NAMESPACE,
 ) -> Rendered:
     """Desired objects for `cr`. Raises spec.SpecError for a spec the API server would reject.
 
     observed_replicas: current StatefulSet replicas per role; used for roles whose replicas belong
     to an autoscaler, so the apply never moves them (None: StatefulSet absent, start at spec value).
+    operator_namespace: where the operator runs (its pods are the engines' default metrics readers).
     """
     meta = cr.get("metadata", {})
     cr_name, namespace = meta.get("name", ""), meta.get("namespace") or "default"
@@ -278,7 +280,9 @@ def render(
         "config_name": names.config_name(cr_name),
         "config_labels": names.common_labels(cr_name, "config"),
         "config_hash_key": names.ANNOTATION_CONFIG_HASH,
-        "netpol": security.network_policy_context(spec, cr_name, spec.kv_transfer.side_channel_port),
+        "netpol": security.network_policy_context(
+            spec, cr_name, spec.kv_transfer.side_channel_port, operator_namespace
+        ),
     }
     objects: list[dict[str, Any]] = []
     for template in TEMPLATES:

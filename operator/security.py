@@ -20,13 +20,21 @@ SCRATCH_MOUNTS = [("/tmp", "tmp"), ("/var/tmp", "var-tmp"), (SCRATCH_DIR, "home"
 # HOME moves every `~/.cache`, `~/.config`, `~/.triton` write (vLLM, torch, HF hub) into scratch.
 SCRATCH_ENV = [{"name": "HOME", "value": SCRATCH_DIR}]
 RUNTIME_DEFAULT = {"type": "RuntimeDefault"}
-# The operator's pods (chart labels) read engine /metrics unless the CR names other readers.
-OPERATOR_PEER = {
-    "namespaceSelector": {},
-    "podSelector": {
-        "matchLabels": {"app.kubernetes.io/name": "kvferry", "app.kubernetes.io/component": "operator"}
-    },
-}
+OPERATOR_NAMESPACE = "kvferry-system"  # the chart's documented install namespace (config overrides it)
+
+
+def operator_peer(namespace: str) -> dict[str, Any]:
+    """The operator's pods (chart labels) in the operator's own namespace: the default metrics reader.
+
+    Only that namespace: a pod carrying the same labels in any other namespace (anyone may label
+    their own pods) must not reach the engines' HTTP port, which serves the model API too.
+    """
+    return {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+        "podSelector": {
+            "matchLabels": {"app.kubernetes.io/name": "kvferry", "app.kubernetes.io/component": "operator"}
+        },
+    }
 
 
 def engine_pod_security(plan: PodPlan) -> dict[str, Any]:
@@ -104,7 +112,9 @@ def referenced_secrets(spec: Spec) -> list[tuple[str, str, str]]:
     return out
 
 
-def network_policy_context(spec: Spec, cr_name: str, side_channel_port: int) -> dict[str, Any]:
+def network_policy_context(
+    spec: Spec, cr_name: str, side_channel_port: int, operator_namespace: str = OPERATOR_NAMESPACE
+) -> dict[str, Any]:
     """Selectors and peers for templates/networkpolicy.yaml.j2 (rendered only when enabled)."""
     np = spec.network_policy
     engines = {
@@ -118,7 +128,7 @@ def network_policy_context(spec: Spec, cr_name: str, side_channel_port: int) -> 
         "router_name": names.router_name(cr_name),
         "engines_selector": engines,
         "router_selector": {"matchLabels": names.selector_labels(cr_name, "router")},
-        "metrics_readers": np.metrics_readers or [OPERATOR_PEER],
+        "metrics_readers": np.metrics_readers or [operator_peer(operator_namespace)],
         "clients": np.clients,
         "side_channel_port": side_channel_port,
     }

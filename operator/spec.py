@@ -336,6 +336,13 @@ RULES: list[Rule] = [
         lambda s: s.decode.tensor_parallel_size <= MAX_TP[s.accelerator],
     ),
     Rule(
+        ".router.apiKeySecret",
+        "self.router.serviceType != 'LoadBalancer' || has(self.router.apiKeySecret)",
+        "router.apiKeySecret is required when router.serviceType is LoadBalancer: a load balancer exposes "
+        "the router beyond the cluster, and without a key anyone who reaches it may use the model",
+        lambda s: s.router.service_type != "LoadBalancer" or s.router.api_key_secret is not None,
+    ),
+    Rule(
         ".prefill.extraArgs",
         cel_no_owned_flags("prefill.extraArgs"),
         f"prefill.extraArgs {_OWNED_MESSAGE}",

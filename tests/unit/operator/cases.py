@@ -113,6 +113,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         make_inference("bad14", accelerator="p5en").prefill(tensorParallelSize=16).obj(),
         "spec.prefill.tensorParallelSize",
     ),
+    (
+        "loadbalancer-without-api-key",
+        make_inference("bad18").router(serviceType="LoadBalancer").obj(),
+        "spec.router.apiKeySecret",
+    ),
     ("unknown-policy", make_inference("bad15").router(policy="random").obj(), "spec.router.policy"),
     ("name-too-long", make_inference("x" * 50).obj(), "metadata.name"),
     (
@@ -130,6 +135,9 @@ VALID = {
     .obj(),
     "vllm-push-efa": make_inference("ok3", accelerator="p5")
     .kv(connector="vllm", backends=["LIBFABRIC"])
+    .obj(),
+    "loadbalancer-with-api-key": make_inference("ok5")
+    .router(serviceType="LoadBalancer", apiKeySecret={"name": "router-key", "key": "api-key"})
     .obj(),
     # Flags near owned ones but not theirs: a prefix rule must not catch them.
     "unowned-extra-args": make_inference("ok4")

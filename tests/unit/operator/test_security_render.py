@@ -166,7 +166,7 @@ def test_network_policies_isolate_engines_and_expose_only_the_router(preset: str
     router_pods = {"matchLabels": {"kvferry.io/name": name, "kvferry.io/role": "router"}}
     http = [{"protocol": "TCP", "port": "http"}]
     assert via_router == {"from": [{"podSelector": router_pods}], "ports": http}
-    assert metrics == {"from": [security.OPERATOR_PEER], "ports": http}
+    assert metrics == {"from": [security.operator_peer("kvferry-system")], "ports": http}
     assert router["spec"] == {
         "podSelector": router_pods,
         "policyTypes": ["Ingress"],
@@ -211,3 +211,19 @@ def test_missing_secret_sets_degraded_and_survives_a_status_refresh() -> None:
     # The next reconcile finds the Secret: the condition clears.
     fixed = status.summarize(status.Observed(faults={}), previous=refreshed, **kw)
     assert status.condition(fixed, status.ConditionType.DEGRADED)["status"] == "False"
+
+
+def test_default_metrics_readers_are_operator_pods_in_the_operator_namespace_only() -> None:
+    """Anyone may label their own pods as the operator's; only the namespace pins who reads /metrics."""
+    objs = render(cr("cpu"), operator_namespace="ops").objects
+    engines = next(o for o in by_kind(objs, "NetworkPolicy") if o["metadata"]["name"].endswith("-engines"))
+    peers = [p for rule in engines["spec"]["ingress"] for p in rule["from"] if "namespaceSelector" in p]
+    assert peers == [security.operator_peer("ops")]
+    assert peers[0]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}
+
+
+def test_a_load_balancer_router_needs_an_api_key() -> None:
+    with pytest.raises(SpecError, match="router.apiKeySecret"):
+        parse_spec({"model": "m", "router": {"serviceType": "LoadBalancer"}})
+    key = {"name": "k", "key": "v"}
+    parse_spec({"model": "m", "router": {"serviceType": "LoadBalancer", "apiKeySecret": key}})
