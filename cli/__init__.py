@@ -20,6 +20,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "inject": ("kvferry.connector.inject", "main", "copy the connector into DIR for a stock vLLM image"),
     "render": ("kvferry.operator.render_cli", "main", "print the objects a DisaggregatedInference makes"),
     "operator": ("kvferry.operator.run", "main", "run the operator (kopf)"),
+    "release-finalizers": (
+        "kvferry.operator.finalizers",
+        "main",
+        "remove the operator's finalizer from CRs when the operator is gone",
+    ),
     "crd": ("kvferry.operator.crdgen", "main", "write the CRD generated from operator/spec.py"),
     "cluster": ("kvferry.local.controlplane.cli", "main", "build/start/stop the local control plane"),
     "model": ("kvferry.local.tinymodel", "main", "build the tiny local test model and tokenizer"),

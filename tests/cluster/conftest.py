@@ -137,32 +137,13 @@ def namespace(admin_api, request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 def _release_finalizers(api, namespace: str) -> None:
-    """Drop the operator's finalizer from the namespace's DisaggregatedInferences.
+    """Drop the operator's finalizer from the namespace's DisaggregatedInferences (product code:
+    `kvferry release-finalizers`). The test's operator has stopped by now; without this the namespace
+    would stay Terminating and the next cluster-wide operator would find another test's leftovers.
+    `force`: the CRs may not carry a deletionTimestamp yet, and a test may have installed the chart."""
+    from kvferry.operator.finalizers import release
 
-    The test's operator has stopped by now; without this the namespace would stay Terminating and the
-    next cluster-wide operator would find (and work on) another test's leftovers.
-    """
-    from kubernetes import client
-    from kubernetes.client.rest import ApiException
-    from kvferry.operator.spec import GROUP, PLURAL, VERSION
-
-    custom = client.CustomObjectsApi(api)
-    try:
-        items = custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]
-    except ApiException as e:
-        if e.status == 404:  # no CRD installed in this plane (yet)
-            return
-        raise
-    for item in items:
-        if item["metadata"].get("finalizers"):
-            patch = {"metadata": {"finalizers": None}}
-            try:
-                custom.patch_namespaced_custom_object(
-                    GROUP, VERSION, namespace, PLURAL, item["metadata"]["name"], patch
-                )
-            except ApiException as e:
-                if e.status != 404:
-                    raise
+    release(api, namespace, force=True)
 
 
 def _exists(read: Callable, *args: str) -> bool:

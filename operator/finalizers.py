@@ -1,0 +1,152 @@
+"""`kvferry release-finalizers`: delete DisaggregatedInferences when the operator is gone.
+
+kopf puts a finalizer (`kvferry.io/finalizer`) on every CR because each CR has timers (metrics scrape
+and resync): without it a deleted CR's timers would keep running. It holds a CR's deletion until the
+operator removes it, so with the operator uninstalled a CR (and its namespace) stays Terminating.
+This command removes only that finalizer (and kopf's default one, should an operator have run with
+default settings), by default only from CRs already being deleted, and refuses while an operator
+Deployment is ready in the cluster. See docs/operator.md and docs/troubleshooting.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kvferry.operator import names
+from kvferry.operator.spec import GROUP, PLURAL, VERSION
+
+FINALIZERS = (f"{names.GROUP}/finalizer", "kopf.zalando.org/KopfFinalizerMarker")
+# The chart's and manifests/install.yaml's operator Deployment carries both labels.
+OPERATOR_SELECTOR = f"{names.LABEL_COMPONENT}=operator,app.kubernetes.io/part-of=kvferry"
+REQUEST_TIMEOUT_S = 30.0
+
+
+class OperatorRunning(RuntimeError):
+    """An operator Deployment is still ready: it will remove the finalizers itself."""
+
+
+def running_operators(api: Any) -> list[str]:
+    """`namespace/name` of every operator Deployment with at least one ready replica."""
+    from kubernetes import client
+
+    deps = client.AppsV1Api(api).list_deployment_for_all_namespaces(
+        label_selector=OPERATOR_SELECTOR, _request_timeout=REQUEST_TIMEOUT_S
+    )
+    return [
+        f"{d.metadata.namespace}/{d.metadata.name}"
+        for d in deps.items
+        if d.status and (d.status.ready_replicas or 0) > 0
+    ]
+
+
+def release(api: Any, namespace: str | None = None, *, force: bool = False) -> list[str]:
+    """Remove the operator's finalizers from DisaggregatedInferences in `namespace` (None: all).
+
+    Only CRs with a deletionTimestamp unless `force`; raises OperatorRunning if an operator Deployment
+    is ready, unless `force`. Returns `namespace/name` of each CR released.
+    """
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    if not force:
+        running = running_operators(api)
+        if running:
+            raise OperatorRunning(", ".join(running))
+    custom = client.CustomObjectsApi(api)
+    try:
+        if namespace is None:
+            items = custom.list_cluster_custom_object(
+                GROUP, VERSION, PLURAL, _request_timeout=REQUEST_TIMEOUT_S
+            )["items"]
+        else:
+            items = custom.list_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, _request_timeout=REQUEST_TIMEOUT_S
+            )["items"]
+    except ApiException as e:
+        if e.status == 404:  # the CRD is not installed: nothing to release
+            return []
+        raise
+    released = []
+    for item in items:
+        meta = item["metadata"]
+        if not force and not meta.get("deletionTimestamp"):
+            continue
+        if _release_one(custom, item):
+            released.append(f"{meta['namespace']}/{meta['name']}")
+    return released
+
+
+def _release_one(custom: Any, item: dict[str, Any], attempts: int = 5) -> bool:
+    """Remove our finalizers from one CR; True if any were removed. Re-reads on a conflict."""
+    from kubernetes.client.rest import ApiException
+
+    meta = item["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+    for _ in range(attempts):
+        present = meta.get("finalizers") or []
+        if not any(f in FINALIZERS for f in present):
+            return False
+        keep = [f for f in present if f not in FINALIZERS]
+        # resourceVersion makes the merge patch conditional: a concurrent change fails with 409.
+        patch = {"metadata": {"finalizers": keep or None, "resourceVersion": meta["resourceVersion"]}}
+        try:
+            custom.patch_namespaced_custom_object(
+                GROUP, VERSION, ns, PLURAL, name, patch, _request_timeout=REQUEST_TIMEOUT_S
+            )
+            return True
+        except ApiException as e:
+            if e.status == 404:  # deleted meanwhile
+                return False
+            if e.status != 409:
+                raise
+        try:
+            meta = custom.get_namespaced_custom_object(
+                GROUP, VERSION, ns, PLURAL, name, _request_timeout=REQUEST_TIMEOUT_S
+            )["metadata"]
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+    raise RuntimeError(f"{ns}/{name}: finalizers changed under us {attempts} times")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvferry release-finalizers", description=__doc__.splitlines()[0])
+    scope = parser.add_mutually_exclusive_group(required=True)
+    scope.add_argument("-n", "--namespace", help="only CRs in this namespace")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="CRs in every namespace")
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: KUBECONFIG, ~/.kube/config)")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="also CRs not being deleted, and even while an operator Deployment is ready",
+    )
+    args = parser.parse_args(argv)
+    from kubernetes import config
+    from kubernetes.client.rest import ApiException
+
+    try:
+        api = config.new_client_from_config(config_file=args.kubeconfig)
+    except Exception as exc:  # noqa: BLE001 - config errors come as several types
+        print(f"kvferry release-finalizers: cannot load kubeconfig: {exc}", file=sys.stderr)
+        return 2
+    with api:
+        try:
+            released = release(api, None if args.all_namespaces else args.namespace, force=args.force)
+        except OperatorRunning as exc:
+            print(
+                f"kvferry release-finalizers: the operator is running ({exc}); it removes its finalizer "
+                "itself. Uninstall or scale it to 0 first, or pass --force.",
+                file=sys.stderr,
+            )
+            return 2
+        except ApiException as exc:
+            print(f"kvferry release-finalizers: API error {exc.status}: {exc.reason}", file=sys.stderr)
+            return 1
+    for name in released:
+        print(f"released {name}")
+    if not released:
+        print("nothing to release")
+    return 0
