@@ -210,7 +210,7 @@ class Dispatcher:
             remaining = deadline - loop.time()
             if not exc.retryable or remaining <= 1.0:
                 raise exc.as_api_error() from None
-            if not self.budget.withdraw():
+            if _costs_capacity(exc) and not self.budget.withdraw():
                 raise self._budget_spent(exc) from None
             target = decode if exc.leg == "prefill" else prefill
             return await self._recompute(req, target, rid, exc, deadline)
@@ -259,6 +259,10 @@ class Dispatcher:
         finally:
             if not d_task.done():
                 d_task.cancel()  # only when this handler itself is cancelled: never leave D running
+            elif not d_task.cancelled() and d_task.exception() is not None and not p_task.done():
+                # D failed (down, or its receive failed): nobody will take P's KV. Closing P's leg
+                # aborts its prefill, so P frees the blocks now instead of holding them for its lease.
+                p_task.cancel()
             self._detach(p_task)
 
     async def _after_prefill(
@@ -337,6 +341,14 @@ async def _abort(task: asyncio.Task[Any]) -> None:
     """Cancel a decode leg and wait until its connection is closed (vLLM then aborts the request)."""
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+def _costs_capacity(exc: LegError) -> bool:
+    """Whether recomputing after `exc` adds load the budget must cap. Timeouts and 5xx answers are
+    what an overloaded engine produces: recomputing them all would double the pool's work when it is
+    short. An engine that is down (unreachable, stream cut) or a transfer that failed does no work
+    for the request, so its recompute elsewhere costs nothing extra and is never refused."""
+    return exc.reason == "timeout" or exc.reason.startswith("status_")
 
 
 def new_request_id() -> str:

@@ -11,7 +11,7 @@ from kvferry.connector.router.budget import RecomputeBudget
 from kvferry.connector.router.discovery import Pool
 from kvferry.connector.router.selection import LoadTracker, OverloadedError, Selector
 
-from tests.unit.router.engines import FakeEngine, run
+from tests.unit.router.engines import FakeEngine, router_state, run
 from tests.unit.router.test_router_selection import ep
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 5}
@@ -90,3 +90,44 @@ def test_budget_is_a_fraction_of_recent_requests_plus_a_burst() -> None:
     for _ in range(4):
         no_burst.deposit()
     assert no_burst.withdraw(), "the ratio alone still allows one recompute per 1/ratio requests"
+
+
+def test_a_failed_transfer_is_recomputed_even_with_the_budget_spent() -> None:
+    """The budget caps recomputes that add load (timeouts, 5xx). A receive that failed (or an engine
+    that is down) costs the pool nothing extra: with one P/D pair and an engine down for a minute,
+    refusing those would turn every request of that minute into an avoidable error."""
+
+    async def check(client: TestClient, p: FakeEngine, d: FakeEngine) -> None:
+        for _ in range(3):
+            resp = await client.post("/v1/completions", json={**BODY, "stream": True})
+            assert resp.status == 200 and resp.headers["X-Kvferry-Recomputed"] == "decode_error_event"
+            await resp.read()
+
+    run("kvferry", "ok", "error_event", check, limits={"recompute_ratio": 0, "recompute_burst": 0})
+
+
+def test_an_engine_that_is_down_is_recomputed_elsewhere_even_with_the_budget_spent() -> None:
+    async def check(client: TestClient, p: FakeEngine, d: FakeEngine) -> None:
+        await d.server.close()  # D is gone: connection refused
+        for _ in range(3):
+            resp = await client.post("/v1/completions", json=BODY)
+            assert resp.status == 200 and resp.headers["X-Kvferry-Recomputed"] == "decode_unreachable"
+
+    run("kvferry", "ok", "ok", check, limits={"recompute_ratio": 0, "recompute_burst": 0})
+
+
+def test_prefill_leg_is_closed_when_decode_failed_first() -> None:
+    """D failed before P finished: nobody will take P's KV, so P's leg is closed (vLLM aborts the
+    prefill and frees its blocks) instead of being left to finish and hold them for its lease."""
+
+    async def check(client: TestClient, p: FakeEngine, d: FakeEngine) -> None:
+        resp = await client.post("/v1/completions", json={**BODY, "stream": True})
+        assert resp.status == 200 and resp.headers["X-Kvferry-Recomputed"] == "decode_error_event"
+        await resp.read()
+        await asyncio.sleep(0.5)  # past P's 2 s: a leg left running would have finished by now
+        pd_leg = p.seen[0]["rid"]
+        assert pd_leg not in p.finished, "P's leg was left running for nobody"
+        assert not router_state(client)["dispatcher"].detached
+
+    # The recompute lands on the same slow P (2 s): give its first token room.
+    run("kvferry", "slow:2", "error_event", check, deadlines={"decode_first_token_s": 4, "total_s": 8})
