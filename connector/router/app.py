@@ -21,7 +21,7 @@ from kvferry.connector.router.aggregate import Aggregator
 from kvferry.connector.router.config import Endpoint, RouterConfig
 from kvferry.connector.router.discovery import make_discovery
 from kvferry.connector.router.dispatch import Dispatcher, OpenLeg, new_request_id
-from kvferry.connector.router.errors import RETRY_AFTER_S, ApiError, error_body
+from kvferry.connector.router.errors import RETRY_AFTER_S, ApiError, LegError, error_body
 from kvferry.connector.router.metrics import RouterMetrics
 from kvferry.connector.router.selection import LoadTracker, NoBackendError, OverloadedError, Selector
 
@@ -84,7 +84,13 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     try:
         prefill, decode = _choose(state)
         leg = await state["dispatcher"].run(req, prefill, decode, rid)
-        response, outcome = await _relay(request, leg, rid, state, started, cfg)
+        try:
+            response, outcome = await _relay(request, leg, rid, state, started, cfg)
+        except LegError as exc:  # an aggregated answer broke before anything reached the client
+            other = prefill if leg.engine is decode else decode
+            remaining = started + cfg.deadlines.total_s - time.monotonic()
+            leg = await state["dispatcher"].recompute(req, other, rid, exc, remaining)
+            response, outcome = await _relay(request, leg, rid, state, started, cfg)
         return response
     except ApiError as exc:
         outcome = exc.code if exc.code in SHED_OUTCOMES else "error"
@@ -157,11 +163,15 @@ async def _aggregate(leg: OpenLeg, chat: bool, deadline: float) -> dict[str, Any
         raise ApiError(504, f"decode {leg.engine.engine_id} did not finish within the total deadline",
                        "decode_timeout") from None  # fmt: skip
     except aiohttp.ClientError as exc:
-        raise ApiError(502, f"decode {leg.engine.engine_id} stream broke: {exc!r}", "decode_stream") from None
+        broke = f"decode {leg.engine.engine_id} stream broke: {exc!r}"
+        if leg.recomputed:
+            raise ApiError(502, broke, "decode_stream") from None
+        raise LegError("decode", "stream", broke) from None  # the client saw nothing: recompute
     if agg.error is not None:
-        raise ApiError(
-            502, f"decode {leg.engine.engine_id}: {agg.error.get('message', agg.error)}", "decode_error"
-        )
+        message = f"decode {leg.engine.engine_id}: {agg.error.get('message', agg.error)}"
+        if leg.recomputed:
+            raise ApiError(502, message, "decode_error")
+        raise LegError("decode", "error_event", message)
     return agg.result()
 
 

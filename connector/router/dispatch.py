@@ -305,6 +305,19 @@ class Dispatcher:
         params = legs.decode_params("vllm-pull", req.path, rid, 0, p, 0, kv)
         return await self._decode(req, d, params, rid, deadline)
 
+    async def recompute(
+        self, req: legs.ClientRequest, target: Endpoint, rid: str, cause: LegError, remaining_s: float
+    ) -> OpenLeg:
+        """A leg failed after `run` returned but before anything reached the client (an aggregated
+        answer whose stream broke): recompute on `target` like `run` would, or raise the ApiError."""
+        self.metrics.leg_errors.labels(cause.leg, cause.reason).inc()
+        if remaining_s <= 1.0:
+            raise cause.as_api_error()
+        if _costs_capacity(cause) and not self.budget.withdraw():
+            raise self._budget_spent(cause)
+        deadline = asyncio.get_running_loop().time() + remaining_s
+        return await self._recompute(req, target, rid, cause, deadline)
+
     async def _recompute(
         self, req: legs.ClientRequest, target: Endpoint, rid: str, cause: LegError, deadline: float
     ) -> OpenLeg:

@@ -30,8 +30,9 @@ class FakeEngine:
 
     ok; error500 / error400 (that HTTP status); stall (never answers); slow or slow:<s> (answers after
     0.5 s or <s> s); error_event (a P/D leg gets status 200 and an SSE error event before any token,
-    as vLLM does when the KV load fails; plain requests are served); after_prefill (a P/D leg answers
-    only once `peer` has finished the same request id, as a push D waits for its KV).
+    as vLLM does when the KV load fails; plain requests are served); breaks (a streamed P/D leg sends
+    one token, then the connection drops, as when the engine is killed mid-answer); after_prefill (a
+    P/D leg answers only once `peer` has finished the same request id, as a push D waits for its KV).
     """
 
     def __init__(self, name: str, mode: str = "ok") -> None:
@@ -61,6 +62,8 @@ class FakeEngine:
             no = {"error": {"message": f"{self.name} says no"}}
             return web.json_response(no, status=int(self.mode[5:]))
         chat = request.path == CHAT_PATH
+        if self.mode == "breaks" and pd_leg and body.get("stream"):
+            return await self._stream(request, body, chat, cut=True)
         if self.mode == "error_event" and pd_leg:
             if not body.get("stream"):
                 return web.json_response({"error": {"message": "kv load failed", "code": 500}}, status=500)
@@ -74,7 +77,7 @@ class FakeEngine:
         return web.json_response({"choices": [choice], "kv_transfer_params": kv})
 
     async def _stream(
-        self, request: web.Request, body: dict[str, Any], chat: bool, fail: bool = False
+        self, request: web.Request, body: dict[str, Any], chat: bool, fail: bool = False, cut: bool = False
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -93,6 +96,10 @@ class FakeEngine:
             piece = {"delta": {"content": word}} if chat else {"text": word}
             await resp.write(sse({"choices": [{"index": 0, **piece, "token_ids": [i]}]}))
             await asyncio.sleep(0.05)
+            if cut:  # the engine dies after its first token: the connection drops mid-stream
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
         if (body.get("stream_options") or {}).get("include_usage"):
             await resp.write(sse({"choices": [], "usage": {"completion_tokens": 3}}))
         await resp.write(b"data: [DONE]\n\n")

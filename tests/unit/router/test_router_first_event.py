@@ -49,3 +49,17 @@ def test_chat_preamble_split_across_reads_is_relayed_unchanged() -> None:
         assert stream_text(raw.decode()) == "from decode-0"
 
     run("kvferry", "ok", "ok", check)
+
+
+def test_an_aggregated_answer_whose_stream_breaks_is_recomputed() -> None:
+    """The client asked for one JSON answer and the router streams D (aggregate.py): when D dies
+    after its first token, the client has seen nothing yet, so the router recomputes instead of
+    answering 502."""
+
+    async def check(client, p, d) -> None:
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3})
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["X-Kvferry-Recomputed"] == "decode_stream"
+        assert (await resp.json())["choices"][0]["text"] == "from prefill-0"
+
+    run("kvferry", "ok", "breaks", check)
