@@ -38,16 +38,15 @@ An error is *avoidable* when both hold:
 Then a local recompute on that engine was possible and the client should have got an answer. An
 error after the first token of a stream (e.g. decode killed mid-stream) is neither avoidable nor lost.
 
-After the last request, every gauge must be back to 0 within --settle seconds: on both engines'
-/metrics vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc and every
-kvferry_pending series (per kind), and on the router kvferry_router_in_flight and
-kvferry_router_detached_prefills. The resident memory (RSS, process plus children) of router, prefill
-and decode is sampled every 2 s: at the start, peak and end, and the growth of the incarnation alive
-at the end (a restarted engine's first sample is taken right after /health, before any request).
-/dev/shm files a killed engine mapped and nobody maps any more are counted, then removed at the end.
+After the last request, every gauge must be back to 0 within --settle seconds (PdStack.gauges():
+vLLM's running, waiting and KV cache usage and every kvferry_pending series on both engines, the
+router's in-flight legs and detached prefills). The RSS (process plus children) of router, prefill and
+decode is sampled every 2 s (MemoryWatch: start, peak, end, growth of the incarnation alive at the end,
+and over its second half). /dev/shm files of killed engines that nobody maps are counted, then removed.
 
 Prints a table and a JSON summary, writes OUT.json and OUT.md (--out, default bench/results/soak), and
-exits 1 when lost > 0, avoidable > 0 or a gauge is not back to 0 (2 when the stack could not run).
+exits 1 when lost > 0, avoidable > 0, a gauge is not back to 0 or an engine exited by itself (2 when
+the stack could not run).
 """
 
 from __future__ import annotations
@@ -74,6 +73,7 @@ FAULT_KINDS = ("kill-prefill", "kill-decode", "stop-prefill")
 DEADLINES = {"prefill_s": 15.0, "decode_first_token_s": 15.0, "transfer_s": 10.0, "total_s": 40.0}
 WORDS = ("ferry", "river", "cache", "block", "prefill", "decode", "wide", "carry", "across", "bank")
 RSS_EVERY_S = 2.0
+COUNTERS = ("kvferry_transfers_total", "kvferry_transfer_failures_total", "kvferry_rejected_messages_total")
 
 
 @dataclass
@@ -298,8 +298,8 @@ class Soak:
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":
-                    done = True
-                    break
+                    done = True  # read on to the end of the body, as OpenAI clients do
+                    continue
                 try:
                     event = json.loads(line[6:])
                 except ValueError:
@@ -384,17 +384,13 @@ def summarize(soak: Soak, gauges: dict[str, float], settle_s: float, wall_s: flo
             if k.startswith(("kvferry_router_requests_total", "kvferry_router_recomputes_total",
                              "kvferry_router_leg_errors_total", "kvferry_router_errors_total")) and v
         },
-        "engine_counters": {  # the incarnations alive at the end
-            f"{role} {k}": v for role in ENGINE_ROLES for k, v in soak.stack.server(role).metrics().items()
-            if k.startswith(("kvferry_transfers_total", "kvferry_transfer_failures_total",
-                             "kvferry_rejected_messages_total")) and v
-        },
+        "engine_counters": soak.stack.engine_metrics(COUNTERS), "engines_exited": soak.stack.exited(),
         "wall_s": round(wall_s, 1), "workdir": str(soak.stack.workdir),
     }  # fmt: skip
 
 
-def passed(summary: dict[str, Any]) -> bool:
-    return summary["lost"] == 0 and summary["avoidable"] == 0 and summary["gauges_ok"]
+def passed(s: dict[str, Any]) -> bool:
+    return s["lost"] == 0 and s["avoidable"] == 0 and s["gauges_ok"] and not s["engines_exited"]
 
 
 def table(s: dict[str, Any]) -> str:
@@ -415,6 +411,11 @@ def table(s: dict[str, Any]) -> str:
         rows.append((f"RSS {role} MiB (x{m['incarnations']})", f"{rss}; last incarnation's growth {growth}"))
     shm = (len(s["shm"]["orphans"]), len(s["shm"]["held_by_live_engine"]))
     rows.append(("killed engines' /dev/shm files left (orphaned, held by a live engine)", shm))
+    rows += (
+        [("engines that exited by themselves (must be none)", s["engines_exited"])]
+        if s["engines_exited"]
+        else []
+    )
     rows.append(("result", "PASS" if passed(s) else "FAIL"))
     return "| what | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
 

@@ -252,6 +252,13 @@ class PdStack:
         self.starting.discard(role)
         return new
 
+    def exited(self) -> list[str]:
+        """Engines whose current process ended by itself (kill() and restart() replace a killed one)."""
+        parts = {r: getattr(self, r) for r in ENGINE_ROLES}
+        return [
+            r for r, p in parts.items() if p is not None and p.proc is not None and p.proc.poll() is not None
+        ]
+
     def pids(self) -> dict[str, int]:
         """Process id (= process group id) of the router and of each engine's current incarnation."""
         parts = {"router": self.router, "prefill": self.prefill, "decode": self.decode}
@@ -276,6 +283,16 @@ class PdStack:
                     out[name] = out.get(name, 0.0) + value
         m = parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text)
         return out | {f"router {g}": metric_sum(m, g) for g in ROUTER_GAUGES}
+
+    def engine_metrics(self, prefixes: tuple[str, ...]) -> dict[str, float]:
+        """Non-zero series starting with one of `prefixes` on both engines ("role series"); an engine
+        that does not answer is left out."""
+        out: dict[str, float] = {}
+        for role in ENGINE_ROLES:
+            with contextlib.suppress(httpx.HTTPError):
+                m = self.server(role).metrics()
+                out |= {f"{role} {k}": v for k, v in m.items() if v and k.startswith(prefixes)}
+        return out
 
     def settle(self, timeout_s: float) -> tuple[dict[str, float], float]:
         """Poll gauges() each second until all are 0 or timeout_s passed: the last reading, seconds."""
