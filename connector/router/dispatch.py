@@ -212,8 +212,16 @@ class Dispatcher:
                 raise exc.as_api_error() from None
             if _costs_capacity(exc) and not self.budget.withdraw():
                 raise self._budget_spent(exc) from None
-            target = decode if exc.leg == "prefill" else prefill
-            return await self._recompute(req, target, rid, exc, deadline)
+            return await self._recompute(req, self._target(exc, prefill, decode), rid, exc, deadline)
+
+    def _target(self, exc: LegError, prefill: Endpoint, decode: Endpoint) -> Endpoint:
+        """The other engine of the pair, unless it is down while the failed one answered (an error
+        event comes from a live engine): when P is down, D's receive fails too, often in the same
+        millisecond as P's refused connection, and D is then the one engine left to recompute on."""
+        failed, other = (prefill, decode) if exc.leg == "prefill" else (decode, prefill)
+        if exc.reason == "error_event" and not self.tracker.is_up(other):
+            return failed
+        return other
 
     def _budget_spent(self, cause: LegError) -> ApiError:
         limits = self.cfg.limits

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from aiohttp.test_utils import TestClient
 
-from tests.unit.router.engines import CHAT_PATH, FakeEngine, run, sse, stream_text
+from tests.unit.router.engines import CHAT_PATH, FakeEngine, router_state, run, sse, stream_text
 
 COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 5}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
@@ -63,3 +63,19 @@ def test_an_aggregated_answer_whose_stream_breaks_is_recomputed() -> None:
         assert (await resp.json())["choices"][0]["text"] == "from prefill-0"
 
     run("kvferry", "ok", "breaks", check)
+
+
+def test_when_prefill_is_down_a_failed_receive_is_recomputed_on_decode() -> None:
+    """P is down (the router saw it fail: cooling down) and D's KV load fails (an error event). The
+    recompute must go to D, the engine that answered, not back to P. (The soak hit this: P killed,
+    D's receive failed in the same millisecond as P's refused connection, recompute sent to dead P.)"""
+
+    async def check(client, p, d) -> None:
+        state = router_state(client)
+        state["tracker"].mark_down(state["discovery"].current().prefill[0])
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "stream": True})
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["X-Kvferry-Recomputed"] == "decode_error_event"
+        assert "from decode-0" in stream_text(await resp.text())
+
+    run("kvferry", "stall", "error_event", check)
