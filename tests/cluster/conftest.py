@@ -108,13 +108,15 @@ def namespace(admin_api, request: pytest.FixtureRequest) -> Iterator[str]:
     from kubernetes import client
     from kubernetes.client.rest import ApiException
 
+    from tests.cluster.operator_fixtures import exists
+
     core = client.CoreV1Api(admin_api)
     stem = "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:40].strip("-")
     name = f"{stem}-{uuid.uuid4().hex[:6]}"
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
     try:
         _wait(
-            lambda: _exists(core.read_namespaced_service_account, "default", name), NAMESPACE_READY_TIMEOUT_S
+            lambda: exists(core.read_namespaced_service_account, "default", name), NAMESPACE_READY_TIMEOUT_S
         )
         yield name
     finally:
@@ -144,18 +146,6 @@ def _release_finalizers(api, namespace: str) -> None:
     from kvferry.operator.finalizers import release
 
     release(api, namespace, force=True)
-
-
-def _exists(read: Callable, *args: str) -> bool:
-    from kubernetes.client.rest import ApiException
-
-    try:
-        read(*args)
-        return True
-    except ApiException as e:
-        if e.status == 404:
-            return False
-        raise
 
 
 def _wait(pred: Callable[[], bool], timeout_s: float, *, strict: bool = True) -> bool:

@@ -46,6 +46,17 @@ def wait_until(pred: Callable[[], Any], what: str, timeout_s: float = WAIT_S, in
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {last!r})")
 
 
+def exists(read: Callable, *args: str) -> bool:
+    """Whether `read(*args)` finds the object (404: no; any other API error is raised)."""
+    try:
+        read(*args)
+        return True
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+
+
 @pytest.fixture(scope="session")
 def kvferry_crd(control_plane, kubeconfig) -> str:
     """The generated CRD (and kopf's peering CRDs) applied and Established."""

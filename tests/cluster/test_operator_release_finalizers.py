@@ -8,23 +8,12 @@ import subprocess
 import time
 
 from kubernetes import client
-from kubernetes.client.rest import ApiException
 from kvferry.operator.finalizers import FINALIZERS, OPERATOR_SELECTOR
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 
 from tests.cluster.operator_fixtures import *  # noqa: F403
-from tests.cluster.operator_fixtures import wait_until
+from tests.cluster.operator_fixtures import exists, wait_until
 from tests.unit.operator.cases import make_inference
-
-
-def _gone(read, *args) -> bool:
-    try:
-        read(*args)
-        return False
-    except ApiException as e:
-        if e.status == 404:
-            return True
-        raise
 
 
 def _release(kubeconfig, ns: str) -> subprocess.CompletedProcess:
@@ -74,19 +63,19 @@ def test_release_finalizers_frees_a_cr_deleted_after_the_operator_stopped(
     )
     res = _release(kubeconfig, ns)
     assert res.returncode == 2 and "operator is running" in res.stderr, (res.stdout, res.stderr)
-    assert not _gone(cluster.custom.get_namespaced_custom_object, GROUP, VERSION, ns, PLURAL, "rf")
+    assert exists(cluster.custom.get_namespaced_custom_object, GROUP, VERSION, ns, PLURAL, "rf")
     cluster.apps.delete_namespaced_deployment("kvferry", ns)
-    wait_until(lambda: _gone(cluster.apps.read_namespaced_deployment, "kvferry", ns), "Deployment gone")
+    wait_until(lambda: not exists(cluster.apps.read_namespaced_deployment, "kvferry", ns), "Deployment gone")
 
     res = _release(kubeconfig, ns)
     assert res.returncode == 0, (res.stdout, res.stderr)
     assert f"released {ns}/rf" in res.stdout
     wait_until(
-        lambda: _gone(cluster.custom.get_namespaced_custom_object, GROUP, VERSION, ns, PLURAL, "rf"),
+        lambda: not exists(cluster.custom.get_namespaced_custom_object, GROUP, VERSION, ns, PLURAL, "rf"),
         "CR gone",
     )
 
     # Nothing holds the namespace any more: it goes (pods forced, as the cluster fixture does).
     cluster.core.delete_namespace(ns)
     cluster.kubectl("delete", "pods", "--all", "--grace-period=0", "--force", "--wait=false", check=False)
-    wait_until(lambda: _gone(cluster.core.read_namespace, ns), "namespace gone")
+    wait_until(lambda: not exists(cluster.core.read_namespace, ns), "namespace gone")
