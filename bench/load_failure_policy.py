@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from kvferry.connector.pdstack import PdStack, RouterProcess
-from kvferry.connector.promtext import metric_sum, parse_metrics
 from kvferry.local.tinymodel import ensure
+from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.tools.pdstack import PdStack, RouterProcess
 
 POLICIES = ("fail", "recompute")
 

@@ -27,7 +27,7 @@ from kvferry.local.controlplane import ControlPlane
 from kvferry.local.controlplane.processes import reserve_ports
 from kvferry.operator import names
 from kvferry.operator.apply import RENDERED_KINDS, Kube
-from kvferry.operator.render import render
+from kvferry.operator.render.objects import render
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 
 ROOT = Path(__file__).resolve().parents[1]

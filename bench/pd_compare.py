@@ -10,7 +10,7 @@ step); against `single` it also includes prefill running on one core instead of 
     python bench/pd_compare.py --out bench/results/pd_compare
 
 Modes run one after another on the same machine (at most 2 vLLM servers alive at a time). Upstream
-connectors run with the UCX progress thread off (kvferry.connector.upstream_patches), their best
+connectors run with the UCX progress thread off (kvferry.connector.plugins.upstream_patches), their best
 configuration on a CPU host; pass --stock-upstream to run them as shipped.
 """
 
@@ -25,11 +25,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import httpx
-from kvferry.connector import loadbench
-from kvferry.connector.pdstack import PdStack, kvferry_connector_available
-from kvferry.connector.promtext import parse_metrics
-from kvferry.connector.serve import ServerSpec, VllmProcess, free_port
 from kvferry.local.tinymodel import ensure
+from kvferry.router.promtext import parse_metrics
+from kvferry.tools import loadbench
+from kvferry.tools.pdstack import PdStack, kvferry_connector_available
+from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 
 ALL_MODES = ("single", "single-1core", "vllm-pull", "vllm-push", "kvferry")
 SINGLE_CORES = {"single": "0-1", "single-1core": "0"}

@@ -3,7 +3,7 @@ restarted, paused mid-transfer and clients hang up; every request must end, clea
 
     python bench/soak.py --requests 3000 --concurrency 8 --rate 4 --faults 12 --cancels 60 --seed 1
 
-One P/D stack (connector/pdstack.py: prefill on core 0, decode on core 1, the router) on loopback. The
+One P/D stack (tools/pdstack.py: prefill on core 0, decode on core 1, the router) on loopback. The
 seed fixes the request mix (completions or chat, streamed or not, prompt and output lengths), which
 requests the client cancels, and each fault with the number of sent requests at which it fires:
 
@@ -65,9 +65,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from kvferry.connector.pdstack import ENGINE_ROLES, MemoryWatch, PdStack, kvferry_connector_available
-from kvferry.connector.promtext import parse_metrics
 from kvferry.local.tinymodel import ensure
+from kvferry.router.promtext import parse_metrics
+from kvferry.tools.pdstack import ENGINE_ROLES, MemoryWatch, PdStack, kvferry_connector_available
 
 FAULT_KINDS = ("kill-prefill", "kill-decode", "stop-prefill")
 DEADLINES = {"prefill_s": 15.0, "decode_first_token_s": 15.0, "transfer_s": 10.0, "total_s": 40.0}

@@ -23,8 +23,8 @@ import sys
 import time
 
 import numpy as np
-from kvferry.connector.hostkv import CacheShape
-from kvferry.connector.rankproc import RankProcess, RankSpec
+from kvferry.tools.hostkv import CacheShape
+from kvferry.tools.rankproc import RankProcess, RankSpec
 
 # A small model per token: 4 layers x 2 planes x 8 heads x 64 dims x 4 B = 16 KiB per token.
 MODEL = dict(layers=4, heads=8, head_dim=64)

@@ -12,13 +12,13 @@ import sys
 # subcommand -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("kvferry.local.demo", "main", "full stack on this machine: control plane, operator, vLLM P/D"),
-    "transfer-demo": ("kvferry.connector.demo", "main", "two-process push transfer over real NIXL"),
-    "router": ("kvferry.connector.router.cli", "main", "OpenAI-compatible P/D router"),
-    "bench": ("kvferry.connector.loadbench", "main", "TTFT/TPOT sweep against an OpenAI endpoint"),
-    "serve": ("kvferry.connector.serve", "main", "start vLLM with kvferry's launch fixes"),
+    "transfer-demo": ("kvferry.tools.transfer_demo", "main", "two-process push transfer over real NIXL"),
+    "router": ("kvferry.router.cli", "main", "OpenAI-compatible P/D router"),
+    "bench": ("kvferry.tools.loadbench", "main", "TTFT/TPOT sweep against an OpenAI endpoint"),
+    "serve": ("kvferry.tools.serve", "main", "start vLLM with kvferry's launch fixes"),
     "preflight": ("kvferry.connector.preflight", "main", "check NIXL, backend plugins and EFA"),
-    "inject": ("kvferry.connector.inject", "main", "copy the connector into DIR for a stock vLLM image"),
-    "render": ("kvferry.operator.render_cli", "main", "print the objects a DisaggregatedInference makes"),
+    "inject": ("kvferry.tools.inject", "main", "copy the connector into DIR for a stock vLLM image"),
+    "render": ("kvferry.operator.render.cli", "main", "print the objects a DisaggregatedInference makes"),
     "operator": ("kvferry.operator.run", "main", "run the operator (kopf)"),
     "release-finalizers": (
         "kvferry.operator.finalizers",

@@ -100,7 +100,7 @@ def record(checks: list[Check], metrics: Metrics) -> None:
 
 TERMINATION_LOG = Path("/dev/termination-log")
 # The operator recognises a failed start-up preflight by this prefix in a container's termination
-# message (operator/podchecks.py); keep the two in step.
+# message (operator/status/podchecks.py); keep the two in step.
 FAILED_PREFIX = "kvferry preflight failed: "
 
 

@@ -11,7 +11,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvferry.operator.render import DEFAULT_ROUTER_IMAGE
+from kvferry.operator.render.objects import DEFAULT_ROUTER_IMAGE
 
 # The only fields a metrics URL template may hold (scrape.metrics_urls fills them).
 PLACEHOLDERS = frozenset({"pod", "pod_ip", "namespace", "port", "role"})

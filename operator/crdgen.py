@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from kvferry.operator import rbac
 from kvferry.operator import spec as s
-from kvferry.operator import status_schema as st
+from kvferry.operator.status import schema as st
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_PATH = Path("crds/disaggregatedinferences.yaml")

@@ -13,10 +13,11 @@ import logging
 from typing import Any
 
 import kopf
-from kvferry.operator import names, peering, publish, reconcile, scrape, selfmetrics
+from kvferry.operator import names, peering, reconcile, selfmetrics
 from kvferry.operator.apply import Kube, load_configuration
 from kvferry.operator.config import OperatorConfig
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
+from kvferry.operator.status import publish, scrape
 
 CR = (GROUP, VERSION, PLURAL)
 log = logging.getLogger("kvferry.operator")

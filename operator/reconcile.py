@@ -12,14 +12,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvferry.operator import names, secrets, status
+from kvferry.operator import names, secrets
 from kvferry.operator.apply import Kube, KubeError
 from kvferry.operator.config import OperatorConfig
 from kvferry.operator.drift import drifted
-from kvferry.operator.publish import Watched, no_watch, publish
-from kvferry.operator.render import render
+from kvferry.operator.render.objects import render
 from kvferry.operator.spec import SpecError
-from kvferry.operator.status import ConditionType, EventReason, Observed, Reason
+from kvferry.operator.status import conditions as status
+from kvferry.operator.status.conditions import ConditionType, EventReason, Observed, Reason
+from kvferry.operator.status.publish import Watched, no_watch, publish
 
 log = logging.getLogger("kvferry.operator")
 Event = tuple[str, EventReason, str]  # (Normal|Warning, reason, message)

@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from kvferry.connector.serve import SERVER_MODULE
+from kvferry.tools.serve import SERVER_MODULE
 
 from . import __doc__ as DESCRIPTION
 from .cases import KV_BUFFER_DEVICES, Case, groups, matrix, parse_choices, parse_ints, parse_pairs

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvferry.connector.serve import KVFERRY_CONNECTOR, SERVER_MODULE, ServerSpec, kv_transfer_config
+from kvferry.tools.serve import KVFERRY_CONNECTOR, SERVER_MODULE, ServerSpec, kv_transfer_config
 
 SERVED_NAME = "tiny"
 HOST = "127.0.0.1"

@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kvferry.connector.serve import VllmProcess, free_port
+from kvferry.tools.serve import VllmProcess, free_port
 
 from .command import HOST, GpuServerSpec, server_command, server_env
 

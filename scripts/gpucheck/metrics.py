@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvferry.connector.promtext import metric_sum
+from kvferry.router.promtext import metric_sum
 
 from .launch import GpuServer
 

@@ -24,7 +24,7 @@ from tests.cluster.installkit import (
     wait_reconciled,
 )
 
-# Everything the operator renders for one CR (operator/templates), by kind.
+# Everything the operator renders for one CR (operator/render/templates), by kind.
 CHILD_KINDS = ("statefulsets", "services", "configmaps", "poddisruptionbudgets", "deployments", "roles")
 
 

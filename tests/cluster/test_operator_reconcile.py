@@ -9,7 +9,7 @@ import signal
 
 import pytest
 from kvferry.operator import names
-from kvferry.operator.render import render
+from kvferry.operator.render.objects import render
 
 from tests.cluster.operator_fixtures import *  # noqa: F403
 from tests.cluster.operator_fixtures import EXPECTED_KINDS, kinds_of, wait_until

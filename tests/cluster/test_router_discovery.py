@@ -5,9 +5,9 @@ pool, with each pod's revision, and only ready pods; the RBAC the operator rende
 from __future__ import annotations
 
 import yaml
-from kvferry.connector.router.config import parse_config
-from kvferry.connector.router.discovery import KubernetesDiscovery
 from kvferry.operator import names
+from kvferry.router.config import parse_config
+from kvferry.router.discovery import KubernetesDiscovery
 
 from tests.cluster.operator_fixtures import *  # noqa: F403
 from tests.cluster.operator_fixtures import wait_until

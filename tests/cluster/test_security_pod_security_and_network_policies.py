@@ -12,7 +12,7 @@ import pytest
 import yaml
 from kubernetes import client
 from kvferry.operator.drift import is_subset
-from kvferry.operator.render import render
+from kvferry.operator.render.objects import render
 
 from tests.unit.operator.cases import make_inference
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from kubernetes import client, config
 from kvferry.operator import names
-from kvferry.operator.render import render
+from kvferry.operator.render.objects import render
 
 from tests.cluster.operator_fixtures import *  # noqa: F403
 from tests.unit.operator.cases import make_inference

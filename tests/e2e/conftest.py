@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvferry.connector.serve import ServerSpec, VllmProcess, free_port
 from kvferry.local.tinymodel import ensure
+from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 
 from .pdclient import outputs, reference_gaps
 

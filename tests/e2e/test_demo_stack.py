@@ -70,7 +70,7 @@ def single_outputs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 def _engine_args(model: Path) -> list[str]:
     """The prefill pod's vLLM args as the operator renders them for the demo CR, minus P/D-only flags."""
-    from kvferry.operator.render import render
+    from kvferry.operator.render.objects import render
 
     objects = render(demo_cr(NAME, NS, model)).objects
     sts = next(

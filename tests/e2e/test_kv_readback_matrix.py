@@ -27,9 +27,9 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 import pytest
-from kvferry.connector.promtext import metric_sum
-from kvferry.connector.serve import ServerSpec, VllmProcess, free_port
 from kvferry.local.tinymodel import SHAPES, ensure
+from kvferry.router.promtext import metric_sum
+from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 
 from .pdclient import completion_body, kvferry_legs, top2_gaps
 

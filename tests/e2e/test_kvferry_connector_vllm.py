@@ -15,9 +15,9 @@ from typing import Any
 
 import httpx
 import pytest
-from kvferry.connector.pdstack import RouterProcess
-from kvferry.connector.promtext import metric_sum
-from kvferry.connector.serve import ServerSpec, VllmProcess, free_port
+from kvferry.router.promtext import metric_sum
+from kvferry.tools.pdstack import RouterProcess
+from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 
 from .pdclient import completion_body, kvferry_legs
 

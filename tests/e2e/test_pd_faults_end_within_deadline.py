@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from kvferry.connector.pdstack import PdStack
-from kvferry.connector.promtext import metric_sum, parse_metrics
+from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.tools.pdstack import PdStack
 
 from .pdclient import completion_body
 

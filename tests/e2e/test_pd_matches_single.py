@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 import pytest
-from kvferry.connector.pdstack import PdStack, kvferry_connector_available
-from kvferry.connector.promtext import metric_sum, parse_metrics
+from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.tools.pdstack import PdStack, kvferry_connector_available
 
 from .pdclient import PROMPT_LENGTHS, compare_greedy, outputs, requests
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvferry.connector.pdstack import kvferry_connector_available
+from kvferry.tools.pdstack import kvferry_connector_available
 
 # Stack start-up (two vLLM servers) takes minutes on a shared 2-core host; the soak itself ~3 min.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]

@@ -2,7 +2,7 @@
 
 vLLM's engine<->worker shared-memory queue spins on sched_yield for 1 s after every message (two
 processes per server at ~100 % of a core each); on two cores that starved everything else and
-doubled P/D TTFT. The launch step makes it sleep instead (connector/shm_wait.py)."""
+doubled P/D TTFT. The launch step makes it sleep instead (connector/plugins/shm_wait.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvferry.connector.serve import ServerSpec, VllmProcess, free_port
+from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 WINDOW_S = 0.8  # inside vLLM's 1 s busy-wait window after the last message

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import socket
 
-from kvferry.connector.hostkv import CacheShape
-from kvferry.connector.rankproc import RankProcess, RankSpec
+from kvferry.tools.hostkv import CacheShape
+from kvferry.tools.rankproc import RankProcess, RankSpec
 
 FAST = {"lease_s": 3.0, "registration_ttl_s": 3.0, "handshake_timeout_s": 1.0, "handshake_attempts": 2}
 

@@ -10,7 +10,7 @@ import time
 import pytest
 from kvferry.connector.config import KvferryConfig
 from kvferry.connector.endpoint import Endpoint
-from kvferry.connector.hostkv import CacheShape, host_kv
+from kvferry.tools.hostkv import CacheShape, host_kv
 
 pytestmark = pytest.mark.nixl
 

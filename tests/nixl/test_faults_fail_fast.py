@@ -7,8 +7,8 @@ import threading
 import time
 
 import pytest
-from kvferry.connector.hostkv import CacheShape
-from kvferry.connector.promtext import metric_sum, parse_metrics
+from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.tools.hostkv import CacheShape
 
 from tests.nixl.helpers import expect_args
 

@@ -7,7 +7,7 @@ consumer reads through its own layout, every token, layer and head.
 from __future__ import annotations
 
 import pytest
-from kvferry.connector.hostkv import CacheShape
+from kvferry.tools.hostkv import CacheShape
 
 from tests.nixl.helpers import expect_args
 

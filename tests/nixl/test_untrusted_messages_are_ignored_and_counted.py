@@ -7,9 +7,9 @@ import re
 import time
 
 import pytest
-from kvferry.connector.hostkv import CacheShape
 from kvferry.connector.sidechannel import fetch_peer
 from kvferry.connector.wire import Done, Registration, encode
+from kvferry.tools.hostkv import CacheShape
 
 from tests.nixl.helpers import expect_args
 

@@ -4,13 +4,13 @@ views in every layer/block order; FLASHINFER shares that split), bf16/fp16/fp8/f
 block sizes and TP on each side, GPU-layout producer to CPU-layout consumer and back.
 
 Each consumer compares what arrived value by value through its own measured layout, and its whole
-pages byte by byte with what its own vLLM write of the same KV stores (connector/vllmkv.py).
+pages byte by byte with what its own vLLM write of the same KV stores (tools/vllmkv.py).
 """
 
 from __future__ import annotations
 
 import pytest
-from kvferry.connector.hostkv import CacheShape
+from kvferry.tools.hostkv import CacheShape
 
 from tests.nixl.helpers import expect_args
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 
-from kvferry.connector.loadbench import Result, arrivals, markdown, percentile, prompts, summarize
+from kvferry.tools.loadbench import Result, arrivals, markdown, percentile, prompts, summarize
 
 
 def test_arrivals_are_seeded_and_have_the_asked_mean_rate() -> None:
@@ -42,7 +42,7 @@ def test_the_api_key_goes_in_the_bearer_header_and_never_in_the_recorded_sweep()
     import dataclasses
 
     import httpx
-    from kvferry.connector.loadbench import Sweep
+    from kvferry.tools.loadbench import Sweep
 
     seen: list[str] = []
 
@@ -63,7 +63,7 @@ def test_the_api_key_goes_in_the_bearer_header_and_never_in_the_recorded_sweep()
 
 def test_a_missing_api_key_is_refused_naming_the_flag(capsys, monkeypatch) -> None:
     import pytest
-    from kvferry.connector.loadbench import main
+    from kvferry.tools.loadbench import main
 
     monkeypatch.delenv("KVFERRY_TEST_NO_SUCH_KEY", raising=False)
     with pytest.raises(SystemExit) as exc:

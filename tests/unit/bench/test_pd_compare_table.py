@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from kvferry.connector.loadbench import Cell
+from kvferry.tools.loadbench import Cell
 
 _spec = importlib.util.spec_from_file_location(
     "pd_compare", Path(__file__).parents[3] / "bench" / "pd_compare.py"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import yaml
 from kvferry.local.chart import artifacts, helm
 from kvferry.operator import names
-from kvferry.operator.render import render as render_cr
+from kvferry.operator.render.objects import render as render_cr
 
 from tests.unit.operator.cases import make_inference
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from functools import partial
 
 import numpy as np
-from kvferry.connector.hostkv import synthetic_layout
 from kvferry.connector.layout import KVLayout, Segments, element_addresses
+from kvferry.tools.hostkv import synthetic_layout
 
 ORIGIN = 4096  # region bases are offsets from here; 0 is not a valid address
 KINDS = ("head_major", "token_major", "k_transposed")

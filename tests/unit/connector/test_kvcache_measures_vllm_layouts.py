@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kvferry.connector.hostkv import CacheShape
 from kvferry.connector.kvcache import UnsupportedCacheError, check_spec, probe_offsets
-from kvferry.connector.vllmkv import VllmKV
+from kvferry.tools.hostkv import CacheShape
+from kvferry.tools.vllmkv import VllmKV
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
 SHAPE = dict(layers=1, heads=2, head_dim=32, num_blocks=4)

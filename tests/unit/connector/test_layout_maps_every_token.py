@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvferry.connector.hostkv import synthetic_layout
 from kvferry.connector.layout import (
     KVLayout,
     LayoutError,
@@ -21,6 +20,7 @@ from kvferry.connector.layout import (
     plan,
     split_heads,
 )
+from kvferry.tools.hostkv import synthetic_layout
 from kvsim import KINDS, apply, buffer_for, expected, fill, gather, make_layout
 
 BLOCK_SIZES = st.sampled_from([2, 4, 8, 16, 32])

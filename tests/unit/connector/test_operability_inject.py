@@ -4,7 +4,7 @@ The copy is imported in a clean interpreter (-S -E: no site hooks, so not the ed
 path is only the injected directory, the standard library and the venv's site-packages (vLLM, NIXL,
 numpy: what a stock vLLM image provides). A stock image's too-old vLLM/NIXL is simulated by a shadow
 directory ahead of site-packages; the start-up preflight must refuse it and write the termination log
-the operator reads (operator/podchecks.py).
+the operator reads (operator/status/podchecks.py).
 """
 
 from __future__ import annotations

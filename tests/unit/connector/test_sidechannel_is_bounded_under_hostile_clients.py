@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import pytest
-from kvferry.connector.hostkv import synthetic_layout
 from kvferry.connector.sidechannel import REQUEST, SideChannelError, SideChannelServer, fetch_peer
 from kvferry.connector.wire import PeerInfo, encode, layout_to_wire
+from kvferry.tools.hostkv import synthetic_layout
 
 LAYOUT = synthetic_layout(
     "head_major", bases=[4096], num_blocks=8, block_size=16, num_heads=2, head_dim=8, elem_bytes=4

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from kvferry.connector.hostkv import CacheShape
 from kvferry.connector.kvcache import read_elements
 from kvferry.connector.staging import HostStage, block_runs
-from kvferry.connector.vllmkv import VllmKV
+from kvferry.tools.hostkv import CacheShape
+from kvferry.tools.vllmkv import VllmKV
 
 
 def test_block_runs_follow_the_given_order():

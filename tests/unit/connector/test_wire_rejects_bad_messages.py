@@ -6,7 +6,6 @@ import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvferry.connector.hostkv import synthetic_layout
 from kvferry.connector.wire import (
     MAGIC,
     Done,
@@ -18,6 +17,7 @@ from kvferry.connector.wire import (
     layout_from_wire,
     layout_to_wire,
 )
+from kvferry.tools.hostkv import synthetic_layout
 
 REG = Registration("req-1", 2, "decode-0", 1, 2, "127.0.0.1", 5601, "abc", 300, [[4, 5, 6]])
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.router.metrics import RouterMetrics
 from kvferry.operator import selfmetrics
+from kvferry.router.metrics import RouterMetrics
 from prometheus_client import CollectorRegistry
 
 DOC = (Path(__file__).resolve().parents[3] / "docs" / "metrics.md").read_text()

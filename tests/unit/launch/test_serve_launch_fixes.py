@@ -7,7 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from kvferry.connector.serve import (
+from kvferry.connector.plugins.shm_wait import ENV_SHM_WAIT_SLEEP_S, sleep_from_env
+from kvferry.connector.plugins.upstream_patches import ENV_NO_PROGRESS_THREAD
+from kvferry.local.tinymodel import recipe, recipe_hash
+from kvferry.tools.serve import (
     ServerSpec,
     VllmProcess,
     command,
@@ -15,9 +18,6 @@ from kvferry.connector.serve import (
     parse_cores,
     server_env,
 )
-from kvferry.connector.shm_wait import ENV_SHM_WAIT_SLEEP_S, sleep_from_env
-from kvferry.connector.upstream_patches import ENV_NO_PROGRESS_THREAD
-from kvferry.local.tinymodel import recipe, recipe_hash
 
 
 def spec(**kw: object) -> ServerSpec:
@@ -100,7 +100,7 @@ def test_core_lists_and_model_recipes() -> None:
 
 
 def test_cli_execs_the_server_module_with_model_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvferry.connector import serve
+    from kvferry.tools import serve
 
     calls: list[tuple] = []
     monkeypatch.setattr(serve.os, "execvpe", lambda *args: calls.append(args))

@@ -4,8 +4,8 @@ PYTHONPATH and run the start-up preflight before vLLM; the default renders none 
 from __future__ import annotations
 
 import pytest
-from kvferry.operator import injection
-from kvferry.operator.render import render
+from kvferry.operator.render import injection
+from kvferry.operator.render.objects import render
 from kvferry.operator.spec import SpecError
 
 from tests.unit.operator.cases import make_inference

@@ -1,13 +1,14 @@
-"""Every condition reason has a fix (operator/remedies.py) and a row in docs/troubleshooting.md; engine
-pods' kvferry termination messages become PreflightFailed / ConnectorInjectFailed (operator/podchecks.py)."""
+"""Every condition reason has a fix (operator/status/remedies.py) and a row in docs/troubleshooting.md;
+engine pods' kvferry termination messages become PreflightFailed / ConnectorInjectFailed
+(operator/status/podchecks.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from kvferry.operator import podchecks, remedies
-from kvferry.operator.status import Reason
+from kvferry.operator.status import podchecks, remedies
+from kvferry.operator.status.conditions import Reason
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "troubleshooting.md"
 
@@ -20,7 +21,7 @@ def test_every_reason_has_a_fix() -> None:
 def test_troubleshooting_doc_lists_every_reason_as_generated() -> None:
     text = DOC.read_text()
     block = text.split("<!-- BEGIN reasons", 1)[1].split("\n", 1)[1].split("<!-- END reasons -->")[0]
-    assert block.strip() == remedies.table(), "regenerate: python -m kvferry.operator.remedies"
+    assert block.strip() == remedies.table(), "regenerate: python -m kvferry.operator.status.remedies"
     for reason in Reason:
         assert f"| `{reason.value}` |" in block
 
@@ -86,7 +87,7 @@ def test_other_pod_states_are_not_start_up_refusals(pod: dict) -> None:
 
 
 def test_ucx_on_efa_names_the_roles_that_run_it() -> None:
-    from kvferry.operator import transfer_metrics as tm
+    from kvferry.operator.status import transfer as tm
 
     decode_only = tm.Sample(backends={"UCX"})
     state, reason, message = tm.health(tm.Sample(backends={"LIBFABRIC"}), decode_only, {}, True, 2)

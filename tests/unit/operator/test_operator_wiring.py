@@ -9,7 +9,7 @@ import pytest
 from kvferry.operator import handlers, rbac
 from kvferry.operator.config import OperatorConfig
 from kvferry.operator.drift import drifted, is_subset, quantity
-from kvferry.operator.render import render
+from kvferry.operator.render.objects import render
 from kvferry.operator.run import parse
 
 from tests.unit.operator.cases import make_inference

@@ -6,7 +6,7 @@ import json
 
 import pytest
 from kvferry.operator import names
-from kvferry.operator.render import render
+from kvferry.operator.render.objects import render
 
 from tests.unit.operator.cases import make_inference
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 from kvferry.operator.crdgen import ROOT
-from kvferry.operator.render_cli import main
+from kvferry.operator.render.cli import main
 
 
 def test_render_prints_all_objects_of_every_example(capsys) -> None:

@@ -7,11 +7,11 @@ import json
 
 import pytest
 import yaml
-from kvferry.operator.render import render
+from kvferry.operator.render.objects import render
 
 from tests.unit.operator.cases import make_inference
 
-router_config = pytest.importorskip("kvferry.connector.router.config")
+router_config = pytest.importorskip("kvferry.router.config")
 connector_config = pytest.importorskip("kvferry.connector.config")
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kvferry.operator.render import render
+from kvferry.operator.render.objects import render
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = sorted(p.name for p in GOLDEN.iterdir() if (p / "input.yaml").exists())

@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvferry.operator import render as render_mod
-from kvferry.operator.render import render
+from kvferry.operator.render import objects as render_mod
+from kvferry.operator.render.objects import render
 
 from tests.unit.operator.cases import make_inference
 

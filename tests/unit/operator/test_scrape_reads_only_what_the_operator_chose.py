@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from kvferry.operator.config import OperatorConfig, check_template
-from kvferry.operator.scrape import http_fetcher, metrics_urls
+from kvferry.operator.status.scrape import http_fetcher, metrics_urls
 
 TEMPLATE = "http://{pod_ip}:{port}/metrics"
 

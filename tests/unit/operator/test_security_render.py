@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 import yaml
-from kvferry.operator import security, status
-from kvferry.operator.render import render
+from kvferry.operator.render import security
+from kvferry.operator.render.objects import render
 from kvferry.operator.spec import EFA_ACCELERATORS, SpecError, parse_spec
+from kvferry.operator.status import conditions as status
 
 from tests.unit.operator.cases import make_inference
 

@@ -28,7 +28,7 @@ def test_defaults_match_the_documented_ones() -> None:
 
 
 def test_an_unset_block_size_is_the_presets() -> None:
-    from kvferry.operator.presets import block_size
+    from kvferry.operator.render.presets import block_size
 
     assert block_size(parse_spec({"model": "m"})) == 128  # cpu: vLLM-CPU needs a multiple of 32
     assert block_size(parse_spec({"model": "m", "accelerator": "p5en"})) == 16

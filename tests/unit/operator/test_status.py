@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from kvferry.operator import names
-from kvferry.operator.status import ConditionType, Observed, Reason, condition, set_condition, summarize
+from kvferry.operator.status.conditions import (
+    ConditionType,
+    Observed,
+    Reason,
+    condition,
+    set_condition,
+    summarize,
+)
 
 
 def _sts(rev: str, desired: int, ready: int, updated: int | None = None, gen: int = 1, seen: int = 1) -> dict:
@@ -97,6 +104,6 @@ def test_transfer_unhealthy_makes_degraded() -> None:
 
 
 def _reason():
-    from kvferry.operator.status import Reason
+    from kvferry.operator.status.conditions import Reason
 
     return Reason.PODS_NOT_READY, "msg"

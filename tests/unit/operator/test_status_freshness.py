@@ -10,8 +10,8 @@ from typing import Any
 
 from kvferry.operator import names
 from kvferry.operator.apply import KubeError
-from kvferry.operator.publish import freshest, newer, write_observed_status
-from kvferry.operator.status import ConditionType, Observed, condition, summarize
+from kvferry.operator.status.conditions import ConditionType, Observed, condition, summarize
+from kvferry.operator.status.publish import freshest, newer, write_observed_status
 
 
 def _sts(rv: str, ready: int) -> dict[str, Any]:

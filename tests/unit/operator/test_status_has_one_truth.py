@@ -8,10 +8,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvferry.operator import names, reconcile, scrape
+from kvferry.operator import names, reconcile
 from kvferry.operator.apply import KubeError
 from kvferry.operator.config import OperatorConfig
-from kvferry.operator.status import DEGRADED_ORDER, ConditionType, Reason, condition
+from kvferry.operator.status import scrape
+from kvferry.operator.status.conditions import DEGRADED_ORDER, ConditionType, Reason, condition
 
 from tests.unit.operator.cases import make_inference
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from kvferry.operator import transfer_metrics as tm
-from kvferry.operator.status import Reason
+from kvferry.operator.status import transfer as tm
+from kvferry.operator.status.conditions import Reason
 
 
 def metrics(

@@ -14,9 +14,9 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from kvferry.connector.router import dispatch
-from kvferry.connector.router.app import STATE, build_app
-from kvferry.connector.router.config import parse_config
+from kvferry.router import dispatch
+from kvferry.router.app import STATE, build_app
+from kvferry.router.config import parse_config
 
 CHAT_PATH = "/v1/chat/completions"
 

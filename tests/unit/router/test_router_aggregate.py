@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvferry.connector.router.aggregate import Aggregator, can_aggregate, streaming_body
+from kvferry.router.aggregate import Aggregator, can_aggregate, streaming_body
 
 
 def sse(*events: dict) -> bytes:

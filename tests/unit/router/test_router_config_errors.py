@@ -6,7 +6,7 @@ import copy
 from typing import Any
 
 import pytest
-from kvferry.connector.router.config import ConfigError, load_config, parse_config, read_api_key
+from kvferry.router.config import ConfigError, load_config, parse_config, read_api_key
 
 from tests.unit.docedit import mutated
 

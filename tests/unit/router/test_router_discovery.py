@@ -5,8 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from kvferry.connector.router import discovery as disc
-from kvferry.connector.router.config import KubernetesDiscoveryConfig
+from kvferry.router import discovery as disc
+from kvferry.router.config import KubernetesDiscoveryConfig
 
 SLICE = {
     "metadata": {"name": "x-decode-abc"},

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from kvferry.connector.router import params as legs
-from kvferry.connector.router.config import Endpoint
-from kvferry.connector.router.errors import ApiError
+from kvferry.router import params as legs
+from kvferry.router.config import Endpoint
+from kvferry.router.errors import ApiError
 
 P = Endpoint("prefill", "http://127.0.0.1:8100", "prefill-0", "127.0.0.1", 5600, 1, "r1")
 D = Endpoint("decode", "http://127.0.0.1:8200", "decode-0", "127.0.0.1", 5601, 1, "r1")

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 from aiohttp.test_utils import TestClient
-from kvferry.connector.router.budget import RecomputeBudget
-from kvferry.connector.router.discovery import Pool
-from kvferry.connector.router.selection import LoadTracker, OverloadedError, Selector
+from kvferry.router.budget import RecomputeBudget
+from kvferry.router.discovery import Pool
+from kvferry.router.selection import LoadTracker, OverloadedError, Selector
 
 from tests.unit.router.engines import FakeEngine, router_state, run
 from tests.unit.router.test_router_selection import ep

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from aiohttp.test_utils import TestClient
-from kvferry.connector.router.app import CONFIG
+from kvferry.router.app import CONFIG
 
 from tests.unit.router.engines import FakeEngine, router_state, run, stream_text
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from kvferry.connector.router.config import Endpoint
-from kvferry.connector.router.discovery import Pool, endpoints_from_slices
-from kvferry.connector.router.selection import LoadTracker, NoBackendError, Selector
+from kvferry.router.config import Endpoint
+from kvferry.router.discovery import Pool, endpoints_from_slices
+from kvferry.router.selection import LoadTracker, NoBackendError, Selector
 
 
 def ep(role: str, i: int, revision: str = "r1") -> Endpoint:
@@ -113,7 +113,7 @@ def test_tracker_forgets_engines_that_left_the_pool_unless_busy() -> None:
 
 
 def test_in_flight_series_of_engines_that_left_the_pool_are_dropped():
-    from kvferry.connector.router.metrics import RouterMetrics
+    from kvferry.router.metrics import RouterMetrics
 
     m = RouterMetrics()
     m.in_flight.labels("decode", "d-old").inc()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvferry.connector.router.sse import MAX_SCAN_BYTES, FirstEventScanner
+from kvferry.router.sse import MAX_SCAN_BYTES, FirstEventScanner
 
 from tests.unit.router.engines import sse
 

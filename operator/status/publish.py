@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from kvferry.operator import names, status
+from kvferry.operator import names
 from kvferry.operator.apply import Kube, KubeError, now_iso
-from kvferry.operator.status import Observed, Verdict
+from kvferry.operator.status import conditions as status
+from kvferry.operator.status.conditions import Observed, Verdict
 
 # role ("prefill"/"decode"/"router") -> the operator's last watched copy of that workload, or None.
 Watched = Callable[[str], dict[str, Any] | None]

@@ -11,8 +11,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.connector.router.config import Endpoint
-from kvferry.connector.router.errors import ApiError, bad_request
+from kvferry.router.config import Endpoint
+from kvferry.router.errors import ApiError, bad_request
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from kvferry.connector.router.config import AuthConfig, ConfigError, read_api_key
+from kvferry.router.config import AuthConfig, ConfigError, read_api_key
 
 
 @dataclass

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.connector.router.config import Endpoint, KubernetesDiscoveryConfig
+from kvferry.router.config import Endpoint, KubernetesDiscoveryConfig
 
 log = logging.getLogger(__name__)
 # Every API call is bounded: without a timeout a hung API server would hold the discovery thread,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from kvferry.operator.presets import PodPlan
+from kvferry.operator.render.presets import PodPlan
 from kvferry.operator.spec import Spec
 
 INJECT_DIR = "/opt/kvferry-inject"

@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from kvferry.connector.router import params as legs
-from kvferry.connector.router.aggregate import can_aggregate, streaming_body
-from kvferry.connector.router.budget import RecomputeBudget
-from kvferry.connector.router.config import Endpoint, RouterConfig
-from kvferry.connector.router.errors import RETRY_AFTER_S, ApiError, LegError
-from kvferry.connector.router.metrics import RouterMetrics
-from kvferry.connector.router.selection import LoadTracker
-from kvferry.connector.router.sse import FirstEvent, FirstEventScanner
+from kvferry.router import params as legs
+from kvferry.router.aggregate import can_aggregate, streaming_body
+from kvferry.router.budget import RecomputeBudget
+from kvferry.router.config import Endpoint, RouterConfig
+from kvferry.router.errors import RETRY_AFTER_S, ApiError, LegError
+from kvferry.router.metrics import RouterMetrics
+from kvferry.router.selection import LoadTracker
+from kvferry.router.sse import FirstEvent, FirstEventScanner
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0

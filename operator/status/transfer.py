@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvferry.operator.status import Reason
+from kvferry.operator.status.conditions import Reason
 from prometheus_client.parser import text_string_to_metric_families
 
 # Counted on the producer (prefill) pods, which issue the writes; the vLLM names are the upstream

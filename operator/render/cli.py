@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from kvferry.operator.render import DEFAULT_ROUTER_IMAGE, render
+from kvferry.operator.render.objects import DEFAULT_ROUTER_IMAGE, render
 from kvferry.operator.spec import KIND, SpecError
 
 

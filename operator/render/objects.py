@@ -13,8 +13,9 @@ from typing import Any
 
 import jinja2
 import yaml
-from kvferry.operator import injection, names, presets, security
-from kvferry.operator.presets import PodPlan, merge
+from kvferry.operator import names
+from kvferry.operator.render import injection, presets, security
+from kvferry.operator.render.presets import PodPlan, merge
 from kvferry.operator.spec import GROUP, KIND, VERSION, Spec, parse_spec
 
 DEFAULT_ROUTER_IMAGE = "ghcr.io/kvferry/operator:0.1.0"  # the operator image also holds the router

@@ -15,15 +15,15 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from kvferry.connector.promtext import metric_sum, parse_metrics
-from kvferry.connector.router import params as legs
-from kvferry.connector.router.aggregate import Aggregator
-from kvferry.connector.router.config import Endpoint, RouterConfig
-from kvferry.connector.router.discovery import make_discovery
-from kvferry.connector.router.dispatch import Dispatcher, OpenLeg, new_request_id
-from kvferry.connector.router.errors import RETRY_AFTER_S, ApiError, LegError, error_body
-from kvferry.connector.router.metrics import RouterMetrics
-from kvferry.connector.router.selection import LoadTracker, NoBackendError, OverloadedError, Selector
+from kvferry.router import params as legs
+from kvferry.router.aggregate import Aggregator
+from kvferry.router.config import Endpoint, RouterConfig
+from kvferry.router.discovery import make_discovery
+from kvferry.router.dispatch import Dispatcher, OpenLeg, new_request_id
+from kvferry.router.errors import RETRY_AFTER_S, ApiError, LegError, error_body
+from kvferry.router.metrics import RouterMetrics
+from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.router.selection import LoadTracker, NoBackendError, OverloadedError, Selector
 
 log = logging.getLogger(__name__)
 SCRAPE_INTERVAL_S = 2.0

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.operator import names
-from kvferry.operator.status import Reason
+from kvferry.operator.status.conditions import Reason
 
-# Prefixes written by connector/preflight.py (FAILED_PREFIX) and connector/inject.py (FAILED_PREFIX);
+# Prefixes written by connector/preflight.py (FAILED_PREFIX) and tools/inject.py (FAILED_PREFIX);
 # the operator image does not import the connector's NIXL-facing modules, so they are repeated here.
 MARKERS = (
     ("kvferry preflight failed: ", Reason.PREFLIGHT_FAILED),

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvferry.connector.hostkv import CacheShape
-from kvferry.connector.rankproc import RankProcess, RankSpec
+from kvferry.tools.hostkv import CacheShape
+from kvferry.tools.rankproc import RankProcess, RankSpec
 
 P_BLOCK, D_BLOCK = 32, 128
 

@@ -2,7 +2,8 @@
 
 The operator runs this as an init container from its own image (`kvferry.connectorSource: inject`) into
 an emptyDir that the vLLM container gets on PYTHONPATH, so users need not rebuild their vLLM image.
-Copied: the `kvferry.connector` package (as a `kvferry` namespace portion: no `kvferry/__init__.py`)
+Copied: the `kvferry.connector` and `kvferry.contracts` packages (namespace portions: no
+`kvferry/__init__.py`; nothing else of kvferry runs inside vLLM)
 and msgpack's pure-Python files, because vLLM depends on msgspec, not msgpack. Compiled extensions are
 never copied: the operator image's Python ABI need not match the vLLM image's, and msgpack falls back
 to its pure-Python implementation when `_cmsgpack` is absent. NIXL, numpy, prometheus_client and vLLM
@@ -19,7 +20,11 @@ from pathlib import Path
 
 # (import name, where it lands under DIR). The connector keeps its dotted path so
 # `kv_connector_module_path: kvferry.connector` resolves unchanged.
-PACKAGES = (("kvferry.connector", Path("kvferry/connector")), ("msgpack", Path("msgpack")))
+PACKAGES = (
+    ("kvferry.connector", Path("kvferry/connector")),
+    ("kvferry.contracts", Path("kvferry/contracts")),
+    ("msgpack", Path("msgpack")),
+)
 MANIFEST = "kvferry-inject.json"
 TERMINATION_LOG = Path("/dev/termination-log")
 FAILED_PREFIX = "kvferry inject failed: "

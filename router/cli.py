@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from kvferry.connector.router.config import ConfigError, load_config, read_api_key
+from kvferry.router.config import ConfigError, load_config, read_api_key
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvferry router: bad config: {exc}", file=sys.stderr)
         return 2
     from aiohttp import web
-    from kvferry.connector.router.app import build_app
+    from kvferry.router.app import build_app
 
     host, port = args.host or cfg.host, args.port or cfg.port
     logging.getLogger(__name__).info(

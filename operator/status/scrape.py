@@ -15,13 +15,16 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-from kvferry.operator import names, podchecks, remedies, selfmetrics, status, transfer_metrics
+from kvferry.operator import names, selfmetrics
 from kvferry.operator.apply import Kube, now_iso
 from kvferry.operator.config import OperatorConfig, check_template
-from kvferry.operator.publish import Watched, no_watch, publish
 from kvferry.operator.reconcile import Event
 from kvferry.operator.spec import EFA_ACCELERATORS
-from kvferry.operator.status import ConditionType, EventReason, Observed, Verdict
+from kvferry.operator.status import conditions as status
+from kvferry.operator.status import podchecks, remedies
+from kvferry.operator.status import transfer as transfer_metrics
+from kvferry.operator.status.conditions import ConditionType, EventReason, Observed, Verdict
+from kvferry.operator.status.publish import Watched, no_watch, publish
 
 Fetch = Callable[[str], str | None]
 MAX_METRICS_BYTES = 8 << 20  # vLLM + kvferry /metrics is tens of KiB; anything near this is not metrics

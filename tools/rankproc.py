@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.connector.config import KvferryConfig
-from kvferry.connector.hostkv import CacheShape, host_kv
+from kvferry.tools.hostkv import CacheShape, host_kv
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 import yaml
-from kvferry.connector.promtext import metric_sum, parse_metrics
-from kvferry.connector.serve import ServerSpec, VllmProcess, _descendants, free_port
+from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.tools.serve import ServerSpec, VllmProcess, _descendants, free_port
 
 CONNECTORS = {"vllm-pull": "NixlConnector", "vllm-push": "NixlPushConnector", "kvferry": "KvferryConnector"}
 ENGINE_ROLES = ("prefill", "decode")

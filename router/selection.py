@@ -13,8 +13,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from kvferry.connector.router.config import Endpoint
-from kvferry.connector.router.discovery import Pool
+from kvferry.router.config import Endpoint
+from kvferry.router.discovery import Pool
 
 
 class NoBackendError(Exception):

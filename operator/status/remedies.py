@@ -7,7 +7,7 @@ checks every Reason has an entry in both places).
 
 from __future__ import annotations
 
-from kvferry.operator.status import Reason
+from kvferry.operator.status.conditions import Reason
 
 FIXES: dict[Reason, str] = {
     Reason.ALL_READY: "nothing to do",
@@ -99,7 +99,7 @@ def condition_types(reason: Reason) -> str:
 
 
 def table() -> str:
-    """The reason table of docs/troubleshooting.md (`python -m kvferry.operator.remedies`)."""
+    """The reason table of docs/troubleshooting.md (`python -m kvferry.operator.status.remedies`)."""
     rows = ["| reason | condition | what to do |", "|---|---|---|"]
     rows += [f"| `{r.value}` | {condition_types(r)} | {FIXES[r]} |" for r in Reason]
     return "\n".join(rows)

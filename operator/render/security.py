@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.operator import names
-from kvferry.operator.presets import PodPlan
+from kvferry.operator.render.presets import PodPlan
 from kvferry.operator.spec import Spec
 
 ROUTER_API_KEY_ENV = "KVFERRY_ROUTER_API_KEY"

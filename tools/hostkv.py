@@ -96,7 +96,7 @@ def host_kv(shape: CacheShape, tp_rank: int) -> Any:
     """The cache for `shape` (HostKV or vllmkv.VllmKV: same fill / mismatches / layout surface)."""
     if shape.order in SYNTHETIC:
         return HostKV(shape, tp_rank)
-    from kvferry.connector.vllmkv import VllmKV
+    from kvferry.tools.vllmkv import VllmKV
 
     return VllmKV(shape, tp_rank)
 

@@ -1,0 +1,1 @@
+"""Status: observations (pods, engines' metrics, apply results) -> one set of conditions, one writer."""
