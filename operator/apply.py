@@ -3,10 +3,20 @@
 One small client over the kubernetes package's ApiClient (no discovery round-trips: the kinds the operator
 touches are a fixed table). It counts requests so benchmarks can report API calls per reconcile.
 
-Conflicts: an apply first goes without `force`; on 409 it is repeated with `force=true`. The reconcile
-applies only objects that are absent or controlled by the CR (reconcile.foreign_owner), and the rendered
-objects only hold fields the operator owns, so forcing only takes those back (a hand edit of the image,
-say); fields we never render (HPA-owned replicas, other controllers' annotations) are never touched.
+Never over someone else's object: `apply` writes only where the object's own controller owner reference
+(the CR, set by render) controls what holds the name, and the write is conditional on what was observed.
+It reads the name (a list by name: the object, or the collection's resourceVersion when it is absent)
+and sends that resourceVersion with the apply. The API server rejects an apply whose resourceVersion is
+not the stored object's (409), and creates an absent object whatever resourceVersion it carries; an
+object that appeared since the read has a later resourceVersion than the read, so it is never merged
+into. On such a 409 the name is read again and checked again: a foreign object raises `NotControlled`.
+(A plain POST would also be create-only, but it records the fields under an Update entry of `kvferry`,
+so fields the operator later stops rendering would never be removed by its applies.)
+
+Conflicts: an apply first goes without `force`; on a field-manager conflict it is repeated with
+`force=true`. The rendered objects only hold fields the operator owns, so forcing only takes those back
+(a hand edit of the image, say); fields we never render (HPA-owned replicas, other controllers'
+annotations) are never touched.
 """
 
 from __future__ import annotations
@@ -72,6 +82,38 @@ class KubeError(RuntimeError):
     def namespace_terminating(self) -> bool:
         """The namespace is being deleted: nothing can be created there, and retrying cannot help."""
         return "NamespaceTerminating" in self.causes
+
+
+class NotControlled(KubeError):
+    """The name is held by an object the applied object's controller does not control: nothing was
+    written. The message names the object and its owner (the reconcile reports it as Conflict)."""
+
+    def __init__(self, message: str):
+        super().__init__(409, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+APPLY_ATTEMPTS = 4  # reads + conditional applies of one object before giving up (it keeps changing)
+
+
+def controller(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The controller owner reference of `obj`, if any."""
+    refs = obj["metadata"].get("ownerReferences") or []
+    return next((r for r in refs if r.get("controller")), None)
+
+
+def not_ours(existing: dict[str, Any], obj: dict[str, Any]) -> str | None:
+    """Why `existing` (what holds `obj`'s name) is not controlled by `obj`'s controller, or None."""
+    want, have = controller(obj), controller(existing)
+    if want and have and want.get("uid") and have.get("uid") == want["uid"]:
+        return None
+    meta = obj["metadata"]
+    who = f"{have['kind']} {have['name']}" if have else "no controller"
+    owner = f"this {want['kind']}'s" if want else "the operator's"
+    return f"{obj['kind']} {meta['name']} exists and is not {owner} (owner: {who})"
 
 
 @dataclass
@@ -144,18 +186,48 @@ class Kube:
             raise KubeError(status, f"{what}: {data.get('message', data)}", causes)
         return data
 
+    def observe(self, kind: str, namespace: str | None, name: str) -> tuple[dict[str, Any] | None, str]:
+        """What holds a name now: (the object or None, the resourceVersion a write must be based on).
+
+        A list by name, so an absent object still yields a version (the collection's at that read).
+        """
+        query = {"fieldSelector": f"metadata.name={name}"}
+        status, data = self._call("GET", kind, self.path(kind, namespace), query=query)
+        data = self._ok(status, data, f"read {kind} {namespace}/{name}")
+        items = data.get("items") or []
+        found = items[0] if items else None
+        return found, (found or data)["metadata"].get("resourceVersion", "")
+
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """Server-side apply `obj` as field manager `kvferry`; returns the object as stored."""
+        """Server-side apply `obj` as field manager `kvferry`; returns the object as stored.
+
+        Only over an object `obj`'s controller owner reference controls, or to create an absent one:
+        raises NotControlled (and writes nothing) when something else holds the name, even if it
+        appeared a moment before the write (see the module docstring).
+        """
+        kind, meta = obj["kind"], obj["metadata"]
+        ns, name = meta.get("namespace"), meta["name"]
+        what = f"apply {kind} {ns}/{name}"
+        for _ in range(APPLY_ATTEMPTS):
+            existing, version = self.observe(kind, ns, name)
+            if existing is not None and (why := not_ours(existing, obj)) is not None:
+                raise NotControlled(why)
+            status, data = self._apply_at(obj, version, force=False)
+            if status == 409 and _field_conflict(data):
+                status, data = self._apply_at(obj, version, force=True)
+            if status != 409 or _field_conflict(data):
+                return self._ok(status, data, what)
+            # 409 without a field conflict: the object changed since `observe`; look at it again.
+        raise KubeError(409, f"{what}: the object kept changing while being applied")
+
+    def _apply_at(self, obj: dict[str, Any], version: str, *, force: bool) -> tuple[int, dict[str, Any]]:
+        """One apply conditional on `version` (the stored object's resourceVersion must equal it)."""
         meta = obj["metadata"]
-        path = self.path(obj["kind"], meta.get("namespace"), meta["name"])
-        query = {"fieldManager": names.FIELD_MANAGER}
+        body = {**obj, "metadata": {**meta, "resourceVersion": version}}
+        query = {"fieldManager": names.FIELD_MANAGER, **({"force": "true"} if force else {})}
         ctype = "application/apply-patch+yaml"  # JSON is YAML; the server accepts it as an apply patch
-        status, data = self._call("PATCH", obj["kind"], path, query=query, body=obj, content_type=ctype)
-        if status == 409:
-            status, data = self._call(
-                "PATCH", obj["kind"], path, query={**query, "force": "true"}, body=obj, content_type=ctype
-            )
-        return self._ok(status, data, f"apply {obj['kind']} {meta.get('namespace')}/{meta['name']}")
+        path = self.path(obj["kind"], meta.get("namespace"), meta["name"])
+        return self._call("PATCH", obj["kind"], path, query=query, body=body, content_type=ctype)
 
     def create_if_missing(self, obj: dict[str, Any]) -> bool:
         """Create `obj` unless it exists (HTTP 409); True when this call created it."""
@@ -205,6 +277,12 @@ class Kube:
             content_type="application/merge-patch+json",
         )
         return self._ok(code, data, f"patch status {namespace}/{name}")
+
+
+def _field_conflict(data: dict[str, Any]) -> bool:
+    """Whether a 409 is server-side apply's field-manager conflict (not a resourceVersion mismatch)."""
+    causes = (data.get("details") or {}).get("causes") or []
+    return any(c.get("reason") == "FieldManagerConflict" for c in causes)
 
 
 def load_configuration(path: str | None = None) -> client.Configuration:
