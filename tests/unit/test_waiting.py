@@ -1,0 +1,44 @@
+"""tests/waiting.py: the poll helper every tier uses returns the first truthy value or fails saying what
+it waited for and what it last saw."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from tests.waiting import WaitTimeout, wait_until
+
+
+def test_returns_the_first_truthy_value() -> None:
+    values = iter([0, None, "", {"ready": 2}])
+    assert wait_until(lambda: next(values), "a value", timeout_s=5, interval_s=0.001) == {"ready": 2}
+
+
+def test_fails_naming_what_and_the_last_value() -> None:
+    ready = iter(range(10**6))
+    with pytest.raises(WaitTimeout, match=r"after 0.05 s waiting for 2 pods Ready \(last: False\)") as failed:
+        wait_until(lambda: next(ready) >= 10**6, "2 pods Ready", 0.05, 0.01)
+    assert isinstance(failed.value, AssertionError)  # a test failure, not an error
+
+
+def test_ignored_exceptions_mean_not_yet_and_are_reported() -> None:
+    calls = itertools.count()
+
+    def flaky() -> bool:
+        if next(calls) < 3:
+            raise ConnectionError("refused")
+        return True
+
+    assert wait_until(flaky, "a server", 5, 0.001, ignore=(ConnectionError,)) is True
+
+    def refused() -> bool:
+        raise ConnectionError("refused")
+
+    with pytest.raises(WaitTimeout, match=r"last: ConnectionError\('refused'\)"):
+        wait_until(refused, "a server", 0.05, 0.01, ignore=(ConnectionError,))
+
+
+def test_other_exceptions_propagate() -> None:
+    with pytest.raises(ZeroDivisionError):
+        wait_until(lambda: 1 / 0, "a division", 5, ignore=(ConnectionError,))
