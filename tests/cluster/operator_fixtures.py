@@ -24,7 +24,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from kvferry.local.controlplane.processes import reserve_ports
 from kvferry.operator import names, rbac
-from kvferry.operator.apply import RENDERED_KINDS, RESOURCES
+from kvferry.operator.apply import RENDERED_KINDS, RESOURCES, Kube
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,6 +185,15 @@ def start_operator(operator_kubeconfig, namespace, tmp_path) -> Iterator[Callabl
         op.stop()
     denied = [line for op in started for line in op.forbidden()]
     assert not denied, "operator hit 403s:\n" + "\n".join(denied[:20])
+
+
+@pytest.fixture
+def operator_kube(operator_kubeconfig) -> Iterator[Kube]:
+    """The operator's own API client acting as its ServiceAccount, for tests that run its steps
+    (reconcile, scrape) in the test process: same code and RBAC, with hooks a subprocess cannot take."""
+    kube = Kube.from_kubeconfig(str(operator_kubeconfig))
+    yield kube
+    kube.close()
 
 
 @pytest.fixture
