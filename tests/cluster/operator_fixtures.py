@@ -1,7 +1,8 @@
 """Fixtures for the operator's cluster tests: the CRD installed, the operator's ServiceAccount bound to
 exactly the RBAC in operator/rbac.py, and `kvferry operator` run as a real subprocess per test.
 
-Import the fixtures into a test module with `from tests.cluster.operator_fixtures import *  # noqa`.
+The fixtures are registered for every test by `pytest_plugins` in tests/conftest.py: a test requests
+them by name and imports only the plain helpers it uses from here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,23 +27,13 @@ from kvferry.operator import names, rbac
 from kvferry.operator.apply import RENDERED_KINDS, RESOURCES, Kube
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 
+from tests.waiting import wait_until
+
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_NAMESPACE = "kvferry-system"
 OPERATOR_SA = "kvferry-operator"
 OPERATOR_START_TIMEOUT_S = 120.0  # generous: the 2-core test box is shared
 WAIT_S = 120.0  # generous: kwok and the API server share 2 cores with the test run
-
-
-def wait_until(pred: Callable[[], Any], what: str, timeout_s: float = WAIT_S, interval_s: float = 0.2) -> Any:
-    """Poll `pred` until it returns something truthy; fail naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {last!r})")
 
 
 def exists(read: Callable, *args: str) -> bool:

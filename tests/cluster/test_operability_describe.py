@@ -14,10 +14,9 @@ from collections.abc import Iterator
 import pytest
 from kubernetes.client.rest import ApiException
 
-from tests.cluster.operator_fixtures import *  # noqa: F403
-from tests.cluster.operator_fixtures import wait_until
 from tests.cluster.test_operator_transfer_status import FakeMetrics, prometheus
 from tests.unit.operator.cases import make_inference
+from tests.waiting import wait_until
 
 REFUSAL = (
     "kvferry preflight failed: vllm_version: vLLM 0.26.0 is older than 0.32, the oldest the kvferry "

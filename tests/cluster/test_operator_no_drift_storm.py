@@ -11,9 +11,8 @@ import urllib.request
 
 from kvferry.local.controlplane.processes import reserve_ports
 
-from tests.cluster.operator_fixtures import *  # noqa: F403
-from tests.cluster.operator_fixtures import wait_until
 from tests.unit.operator.cases import make_inference
+from tests.waiting import wait_until
 
 FLIPS = 6
 RESOURCES = {"requests": {"cpu": "8000m", "memory": "65536Mi"}, "limits": {"memory": "65536Mi"}}

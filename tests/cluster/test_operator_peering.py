@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tests.cluster.operator_fixtures import *  # noqa: F403
-from tests.cluster.operator_fixtures import EXPECTED_KINDS, kinds_of, wait_until
+from tests.cluster.operator_fixtures import EXPECTED_KINDS, kinds_of
 from tests.unit.operator.cases import make_inference
+from tests.waiting import wait_until
 
 
 def test_two_replicas_elect_one_leader_and_still_reconcile(cluster, start_operator) -> None:

@@ -11,9 +11,9 @@ import pytest
 from kvferry.operator import names
 from kvferry.operator.render.objects import render
 
-from tests.cluster.operator_fixtures import *  # noqa: F403
-from tests.cluster.operator_fixtures import EXPECTED_KINDS, kinds_of, wait_until
+from tests.cluster.operator_fixtures import EXPECTED_KINDS, kinds_of
 from tests.unit.operator.cases import make_inference
+from tests.waiting import wait_until
 
 PRESETS = {
     "p5en": make_inference("pa", accelerator="p5en")

@@ -11,9 +11,9 @@ from kubernetes import client
 from kvferry.operator.finalizers import FINALIZERS, OPERATOR_SELECTOR
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 
-from tests.cluster.operator_fixtures import *  # noqa: F403
-from tests.cluster.operator_fixtures import exists, wait_until
+from tests.cluster.operator_fixtures import exists
 from tests.unit.operator.cases import make_inference
+from tests.waiting import wait_until
 
 
 def _release(kubeconfig, ns: str) -> subprocess.CompletedProcess:

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import json
 
-from tests.cluster.operator_fixtures import *  # noqa: F403
-from tests.cluster.operator_fixtures import wait_until
 from tests.unit.operator.cases import make_inference
+from tests.waiting import wait_until
 
 
 def test_a_foreign_object_of_a_rendered_name_is_reported_and_left_alone(cluster, operator) -> None:

@@ -9,9 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.cluster.operator_fixtures import *  # noqa: F403
-from tests.cluster.operator_fixtures import wait_until
 from tests.unit.operator.cases import make_inference
+from tests.waiting import wait_until
 
 
 def prometheus(transfers: int, failures: int, backend: str = "LIBFABRIC") -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.cluster.operator_fixtures import *  # noqa: F403
 from tests.unit.operator.cases import INVALID, VALID
 
 

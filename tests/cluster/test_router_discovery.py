@@ -9,9 +9,8 @@ from kvferry.operator import names
 from kvferry.router.config import parse_config
 from kvferry.router.discovery import KubernetesDiscovery
 
-from tests.cluster.operator_fixtures import *  # noqa: F403
-from tests.cluster.operator_fixtures import wait_until
 from tests.unit.operator.cases import make_inference
+from tests.waiting import wait_until
 
 
 def _discovery(cluster, cr_name: str) -> KubernetesDiscovery:

@@ -13,7 +13,6 @@ from kubernetes import client, config
 from kvferry.operator import names
 from kvferry.operator.render.objects import render
 
-from tests.cluster.operator_fixtures import *  # noqa: F403
 from tests.unit.operator.cases import make_inference
 
 pytestmark = pytest.mark.cluster

@@ -11,9 +11,8 @@ import pytest
 from kubernetes import client
 from kvferry.operator import names
 
-from tests.cluster.operator_fixtures import *  # noqa: F403
-from tests.cluster.operator_fixtures import wait_until
 from tests.unit.operator.cases import make_inference
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.cluster
 
