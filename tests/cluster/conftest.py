@@ -19,6 +19,8 @@ import pytest
 from kvferry.local.controlplane import ControlPlane, ControlPlaneError, build
 from kvferry.local.controlplane.kubeconfig import read_server_and_ca
 
+from tests.waiting import WaitTimeout, wait_until
+
 NAMESPACE_READY_TIMEOUT_S = 30.0
 NAMESPACE_DELETE_TIMEOUT_S = 60.0
 _HERE = Path(__file__).parent
@@ -115,8 +117,10 @@ def namespace(admin_api, request: pytest.FixtureRequest) -> Iterator[str]:
     name = f"{stem}-{uuid.uuid4().hex[:6]}"
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
     try:
-        _wait(
-            lambda: exists(core.read_namespaced_service_account, "default", name), NAMESPACE_READY_TIMEOUT_S
+        wait_until(
+            lambda: exists(core.read_namespaced_service_account, "default", name),
+            f"namespace {name}'s default ServiceAccount",
+            NAMESPACE_READY_TIMEOUT_S,
         )
         yield name
     finally:
@@ -132,10 +136,10 @@ def namespace(admin_api, request: pytest.FixtureRequest) -> Iterator[str]:
         def no_pods() -> bool:
             return not core.list_namespaced_pod(name).items
 
-        if not _wait(no_pods, NAMESPACE_DELETE_TIMEOUT_S, strict=False):
-            warnings.warn(
-                f"pods in namespace {name} still there after {NAMESPACE_DELETE_TIMEOUT_S} s", stacklevel=1
-            )
+        try:
+            wait_until(no_pods, f"namespace {name}'s pods to go", NAMESPACE_DELETE_TIMEOUT_S)
+        except WaitTimeout as exc:
+            warnings.warn(str(exc), stacklevel=1)
 
 
 def _release_finalizers(api, namespace: str) -> None:
@@ -146,14 +150,3 @@ def _release_finalizers(api, namespace: str) -> None:
     from kvferry.operator.finalizers import release
 
     release(api, namespace, force=True)
-
-
-def _wait(pred: Callable[[], bool], timeout_s: float, *, strict: bool = True) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            if strict:
-                raise TimeoutError(f"condition not met within {timeout_s} s")
-            return False
-        time.sleep(0.2)
-    return True

@@ -14,10 +14,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import yaml
 from kvferry.local.controlplane import ControlPlane
 
 from tests.cluster.operator_fixtures import rbac_denials
+from tests.waiting import WaitTimeout, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvferry"
@@ -38,18 +38,6 @@ RECONCILE_TIMEOUT_S = 90.0
 def unique(prefix: str) -> str:
     """A release or object name no other test uses (cluster-scoped chart objects carry the release name)."""
     return f"{prefix}-{uuid.uuid4().hex[:6]}"
-
-
-def wait_for(what: str, pred: Callable[[], Any], timeout_s: float, interval_s: float = 0.3) -> Any:
-    """Poll `pred` until it returns something truthy; TimeoutError naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise TimeoutError(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")
 
 
 def helm_install(
@@ -107,9 +95,11 @@ def wait_reconciled(
 ) -> dict[str, Any]:
     """Wait for `reconciled`; on timeout the error carries the operator's log tail."""
     try:
-        return wait_for(f"{name} reconciled", lambda: reconciled(plane, namespace, name), RECONCILE_TIMEOUT_S)
-    except TimeoutError as exc:
-        raise TimeoutError(f"{exc}\n--- operator log tail ---\n{operator.text()[-4000:]}") from None
+        return wait_until(
+            lambda: reconciled(plane, namespace, name), f"{name} reconciled", RECONCILE_TIMEOUT_S
+        )
+    except WaitTimeout as exc:
+        raise WaitTimeout(f"{exc}\n--- operator log tail ---\n{operator.text()[-4000:]}") from None
 
 
 def free_port() -> int:
@@ -157,7 +147,7 @@ class OperatorProcess:
                 argv, env=self.env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
             )
         if wait_healthy:
-            wait_for("operator /healthz", self._healthy, OPERATOR_START_TIMEOUT_S)
+            wait_until(self._healthy, "operator /healthz", OPERATOR_START_TIMEOUT_S)
         return self
 
     def _healthy(self) -> bool:

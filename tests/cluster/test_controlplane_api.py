@@ -10,7 +10,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 from kvferry.local.controlplane import ControlPlane, versions
-from kvferry.local.controlplane.processes import wait_until
+
+from tests.waiting import wait_until
 
 CEL_MESSAGE = "minReplicas must not exceed maxReplicas"
 
@@ -66,7 +67,7 @@ def widget_group(admin_api) -> str:
         crd = ext.read_custom_resource_definition(f"widgets.{group}")
         return any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or [])
 
-    wait_until(f"CRD widgets.{group} Established", established, 30)
+    wait_until(established, f"CRD widgets.{group} Established", 30, ignore=(ApiException,))
     yield group
     ext.delete_custom_resource_definition(f"widgets.{group}")
 
@@ -122,7 +123,10 @@ def test_service_account_without_permission_gets_403(admin_api, sa_client, names
     binding = client.V1RoleBinding(metadata=client.V1ObjectMeta(name="r"), role_ref=ref, subjects=[subject])
     rbac.create_namespaced_role_binding(namespace, binding)
     wait_until(
-        "pods list allowed", lambda: client.CoreV1Api(reader).list_namespaced_pod(namespace) is not None, 15
+        lambda: client.CoreV1Api(reader).list_namespaced_pod(namespace) is not None,
+        "pods list allowed",
+        15,
+        ignore=(ApiException,),
     )
     with pytest.raises(ApiException) as err:
         client.CoreV1Api(reader).list_namespaced_secret(namespace)
@@ -143,7 +147,7 @@ def test_deleting_owner_garbage_collects_dependents(admin_api, namespace):
         names = {c.metadata.name for c in core.list_namespaced_config_map(namespace).items}
         return "dependent" not in names
 
-    wait_until("dependent ConfigMap garbage-collected", gone, 60)
+    wait_until(gone, "dependent ConfigMap garbage-collected", 60, ignore=(ApiException,))
 
 
 def test_helm_install_of_a_trivial_chart(control_plane: ControlPlane, admin_api, namespace, tmp_path: Path):

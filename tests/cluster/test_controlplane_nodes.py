@@ -9,7 +9,8 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from kvferry.local.controlplane import ControlPlane, nodes
 from kvferry.local.controlplane.components import POD_CIDR
-from kvferry.local.controlplane.processes import wait_until
+
+from tests.waiting import wait_until
 
 POD_READY_TIMEOUT_S = 60
 
@@ -68,7 +69,7 @@ def test_statefulset_lands_on_p5en_nodes_and_becomes_ready(admin_api, namespace)
         sts = apps.read_namespaced_stateful_set("prefill", namespace)
         return (sts.status.ready_replicas or 0) == 2
 
-    wait_until("StatefulSet prefill 2/2 ready", all_ready, POD_READY_TIMEOUT_S)
+    wait_until(all_ready, "StatefulSet prefill 2/2 ready", POD_READY_TIMEOUT_S, ignore=(ApiException,))
     pods = _pods(core, namespace, "app=prefill")
     assert sorted(p.metadata.name for p in pods) == ["prefill-0", "prefill-1"]
     assert sorted(p.spec.node_name for p in pods) == ["p5en-0", "p5en-1"]
@@ -88,7 +89,10 @@ def test_neuron_pod_lands_on_trn2_and_untolerated_pod_stays_pending(admin_api, n
         core.create_namespaced_pod(namespace, pod)
 
     wait_until(
-        "pod neuron Ready", lambda: _ready(core.read_namespaced_pod("neuron", namespace)), POD_READY_TIMEOUT_S
+        lambda: _ready(core.read_namespaced_pod("neuron", namespace)),
+        "pod neuron Ready",
+        POD_READY_TIMEOUT_S,
+        ignore=(ApiException,),
     )
     assert core.read_namespaced_pod("neuron", namespace).spec.node_name == "trn2-0"
 
@@ -96,7 +100,12 @@ def test_neuron_pod_lands_on_trn2_and_untolerated_pod_stays_pending(admin_api, n
         conds = core.read_namespaced_pod("no-toleration", namespace).status.conditions or []
         return any(c.type == "PodScheduled" and c.reason == "Unschedulable" for c in conds)
 
-    wait_until("scheduler reports no-toleration Unschedulable", unschedulable, POD_READY_TIMEOUT_S)
+    wait_until(
+        unschedulable,
+        "scheduler reports no-toleration Unschedulable",
+        POD_READY_TIMEOUT_S,
+        ignore=(ApiException,),
+    )
     pod = core.read_namespaced_pod("no-toleration", namespace)
     assert pod.spec.node_name is None and pod.status.phase == "Pending"
     message = next(c.message for c in pod.status.conditions if c.type == "PodScheduled")
@@ -120,7 +129,10 @@ def test_node_without_kwok_annotation_is_left_to_another_agent(
                 namespace, client.V1Pod(metadata=client.V1ObjectMeta(name=node), spec=spec)
             )
         wait_until(
-            "pod on the kwok node Ready", lambda: _ready(core.read_namespaced_pod(names[0], namespace)), 60
+            lambda: _ready(core.read_namespaced_pod(names[0], namespace)),
+            "pod on the kwok node Ready",
+            60,
+            ignore=(ApiException,),
         )
         left = core.read_namespaced_pod(names[1], namespace)
         assert left.status.phase == "Pending" and not left.status.pod_ip

@@ -21,9 +21,9 @@ from tests.cluster.installkit import (
     helm_install,
     operator_as_chart_sa,
     unique,
-    wait_for,
     wait_reconciled,
 )
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +121,9 @@ def test_replicas_owned_by_an_autoscaler_are_left_alone(
     doc["spec"]["router"] = {"replicas": 2}
     apply_yaml(control_plane, gitops_ns, doc, "--server-side", "--field-manager=argocd-controller")
     wait_reconciled(control_plane, gitops_ns, "hpa", operator)
-    wait_for(
-        "router scaled to 2 (the operator applied generation 2)",
+    wait_until(
         lambda: get_json(control_plane, "deployment", "hpa-router", "-n", gitops_ns)["spec"]["replicas"] == 2,
+        "router scaled to 2 (the operator applied generation 2)",
         RECONCILE_TIMEOUT_S,
     )
     assert get_json(control_plane, "statefulset", "hpa-decode", "-n", gitops_ns)["spec"]["replicas"] == 3

@@ -20,9 +20,9 @@ from tests.cluster.installkit import (
     helm_install,
     operator_as_chart_sa,
     unique,
-    wait_for,
     wait_reconciled,
 )
+from tests.waiting import wait_until
 
 # Everything the operator renders for one CR (operator/render/templates), by kind.
 CHILD_KINDS = ("statefulsets", "services", "configmaps", "poddisruptionbudgets", "deployments", "roles")
@@ -46,7 +46,7 @@ def test_chart_service_account_reconciles_without_a_single_403(
             )
             return kinds_present and bool(current.get("status", {}).get("conditions"))
 
-        wait_for("every child kind and status conditions", children_and_status, RECONCILE_TIMEOUT_S)
+        wait_until(children_and_status, "every child kind and status conditions", RECONCILE_TIMEOUT_S)
         assert cr["status"]["observedGeneration"] == cr["metadata"]["generation"]
         # Router RBAC could only be created because the operator holds what it grants (escalation check).
         router_role = get_json(control_plane, "role", "tiny-router", "-n", namespace)
@@ -65,5 +65,5 @@ def test_without_the_chart_rbac_the_same_run_is_refused(
     log = tmp_path / "operator.log"
     with operator_as_chart_sa(control_plane, namespace, release, log, wait_healthy=False) as operator:
         apply_yaml(control_plane, namespace, example("cpu-tiny.yaml"))
-        wait_for("a 403 in the operator log", operator.forbidden_lines, 30)
+        wait_until(operator.forbidden_lines, "a 403 in the operator log", 30)
         assert get_json(control_plane, "statefulsets", "-n", namespace)["items"] == []

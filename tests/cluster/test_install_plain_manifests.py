@@ -10,7 +10,8 @@ import pytest
 import yaml
 from kvferry.local.controlplane import ControlPlane
 
-from tests.cluster.installkit import EXAMPLES, ROOT, apply_yaml, get_json, wait_for
+from tests.cluster.installkit import EXAMPLES, ROOT, apply_yaml, get_json
+from tests.waiting import wait_until
 
 INSTALL = ROOT / "manifests" / "install.yaml"
 INSTALL_NAMESPACE = "kvferry-system"
@@ -37,7 +38,7 @@ def test_install_yaml_brings_up_the_operator_deployment(control_plane: ControlPl
         dep = get_json(control_plane, "deployment", "kvferry", "-n", INSTALL_NAMESPACE)
         return dep["status"].get("availableReplicas") == 1
 
-    wait_for("kvferry Deployment available (kwok runs the pod)", available, 60)
+    wait_until(available, "kvferry Deployment available (kwok runs the pod)", 60)
     crd = get_json(control_plane, "crd", "disaggregatedinferences.kvferry.io")
     assert {c["type"]: c["status"] for c in crd["status"]["conditions"]}["Established"] == "True"
     sa = get_json(control_plane, "serviceaccount", "kvferry", "-n", INSTALL_NAMESPACE)

@@ -14,9 +14,9 @@ from tests.cluster.installkit import (
     helm_install,
     operator_as_chart_sa,
     unique,
-    wait_for,
     wait_reconciled,
 )
+from tests.waiting import wait_until
 
 
 def router_image(plane: ControlPlane, ns: str) -> str:
@@ -32,7 +32,7 @@ def test_upgrading_the_operator_does_not_roll_the_engines(
     with operator_as_chart_sa(control_plane, namespace, release, tmp_path / "old.log") as old:
         apply_yaml(control_plane, namespace, example("cpu-tiny.yaml"))
         wait_reconciled(control_plane, namespace, "tiny", old)
-        wait_for("router Deployment", lambda: router_image(control_plane, namespace), RECONCILE_TIMEOUT_S)
+        wait_until(lambda: router_image(control_plane, namespace), "router Deployment", RECONCILE_TIMEOUT_S)
     assert old.forbidden_lines() == []
     before = {
         s["metadata"]["name"]: (s["metadata"]["generation"], s["spec"]["template"])
@@ -43,9 +43,9 @@ def test_upgrading_the_operator_does_not_roll_the_engines(
     helm_install(control_plane, release, namespace, "operator.image.tag=0.2.0", upgrade=True)
     with operator_as_chart_sa(control_plane, namespace, release, tmp_path / "new.log") as new:
         # The router runs the operator's image, so seeing it move proves the new operator reconciled.
-        wait_for(
-            "router image follows the new operator",
+        wait_until(
             lambda: router_image(control_plane, namespace).endswith(":0.2.0"),
+            "router image follows the new operator",
             RECONCILE_TIMEOUT_S,
         )
         after = {

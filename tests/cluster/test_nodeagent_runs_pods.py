@@ -11,9 +11,8 @@ import ipaddress
 import os
 import random
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -21,6 +20,8 @@ import pytest
 from kubernetes import client
 from kvferry.local.controlplane import nodes
 from kvferry.local.nodeagent.agent import NodeAgent
+
+from tests.waiting import wait_until
 
 WAIT_S = 60.0
 
@@ -41,16 +42,6 @@ def agent_node(control_plane, admin_api) -> Iterator[tuple[str, NodeAgent]]:
     finally:
         agent.stop()
         core.delete_node(name)
-
-
-def _wait(what: str, pred: Callable[[], Any], timeout_s: float = WAIT_S) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def _pod(node: str, name: str, command: list[str], **spec: Any) -> dict[str, Any]:
@@ -102,7 +93,9 @@ def test_http_server_pod_becomes_ready_on_its_own_ip_and_stops_on_delete(agent_n
         "volumes": [{"name": "site", "configMap": {"name": "site"}}],
     }
     core.create_namespaced_pod(namespace, _pod(node, "web", command, **spec))
-    pod = _wait("pod web Running and Ready", lambda: (p := _read(core, namespace, "web")) and _ready(p) and p)
+    pod = wait_until(
+        lambda: (p := _read(core, namespace, "web")) and _ready(p) and p, "pod web Running and Ready", WAIT_S
+    )
 
     ip = pod["status"]["podIP"]
     assert ipaddress.ip_address(ip) in ipaddress.ip_network(f"{agent.host_ip}/24", strict=False)
@@ -112,9 +105,9 @@ def test_http_server_pod_becomes_ready_on_its_own_ip_and_stops_on_delete(agent_n
     assert _alive(pid)
 
     core.delete_namespaced_pod("web", namespace)
-    _wait("the pod's process to exit", lambda: not _alive(pid), timeout_s=15)
+    wait_until(lambda: not _alive(pid), "the pod's process to exit", timeout_s=15)
     names = lambda: [p.metadata.name for p in core.list_namespaced_pod(namespace).items]  # noqa: E731
-    _wait("pod web removed from the API", lambda: "web" not in names(), timeout_s=15)
+    wait_until(lambda: "web" not in names(), "pod web removed from the API", timeout_s=15)
 
 
 @pytest.mark.parametrize(("policy", "restarts"), [("Always", True), ("Never", False)])
@@ -128,10 +121,12 @@ def test_crashing_container_restarts_per_restart_policy(agent_node, admin_api, n
         return (st.get("containerStatuses") or [{}])[0] | {"phase": st.get("phase")}
 
     if restarts:
-        st = _wait("two restarts", lambda: (s := status()).get("restartCount", 0) >= 2 and s, timeout_s=30)
+        st = wait_until(
+            lambda: (s := status()).get("restartCount", 0) >= 2 and s, "two restarts", timeout_s=30
+        )
         assert st["lastState"]["terminated"]["exitCode"] == 3
         assert st["phase"] == "Running"
     else:
-        st = _wait("phase Failed", lambda: (s := status())["phase"] == "Failed" and s, timeout_s=30)
+        st = wait_until(lambda: (s := status())["phase"] == "Failed" and s, "phase Failed", timeout_s=30)
         assert st["restartCount"] == 0
         assert st["state"]["terminated"]["exitCode"] == 3
