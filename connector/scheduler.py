@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvferry.connector.config import KvferryConfig
-from kvferry.connector.params import ConsumerParams, ParamsError, ProducerParams, parse, wants_transfer
+from kvferry.contracts.params import ConsumerParams, ParamsError, ProducerParams, parse, wants_transfer
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.request import RequestStatus
 

@@ -1,8 +1,9 @@
 """Leg-building step: validate a client request and build the prefill and decode leg bodies per mode.
 
-Pure functions (no I/O). The kvferry params follow docs/contracts.md §1 exactly; the upstream ones
-follow vllm-push-connector.md §2.4. Upstream push kills the whole decode engine when
-`remote_request_id` is missing, so `decode_params` always sets it.
+Pure functions (no I/O). The kvferry block is built with kvferry.contracts.params, the types the
+connector parses (docs/contracts.md §1); the upstream params follow vllm-push-connector.md §2.4.
+Upstream push kills the whole decode engine when `remote_request_id` is missing, so `decode_params`
+always sets it.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.contracts.params import ConsumerParams, ProducerParams
 from kvferry.router.config import Endpoint
 from kvferry.router.errors import ApiError, bad_request
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-KVFERRY_PARAMS_VERSION = 1
 # Fields that make no sense on a 1-token prefill leg.
 _PREFILL_DROP = ("stream_options", "min_tokens", "n", "best_of", "logprobs", "top_logprobs", "echo")
 
@@ -76,17 +77,7 @@ def prefill_params(
     mode: str, router_id: str, attempt: int, decode: Endpoint, transfer_s: float
 ) -> dict[str, Any]:
     if mode == "kvferry":
-        return {
-            "do_remote_decode": True,
-            "kvferry": {
-                "v": KVFERRY_PARAMS_VERSION,
-                "request_id": router_id,
-                "attempt": attempt,
-                "role": "producer",
-                "consumer": {"engine_id": decode.engine_id},
-                "deadline_s": transfer_s,
-            },
-        }
+        return ProducerParams(router_id, attempt, decode.engine_id, transfer_s).kv_transfer_params()
     return {
         "do_remote_decode": True,
         "do_remote_prefill": False,
@@ -107,22 +98,10 @@ def decode_params(
     prefill_response: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     if mode == "kvferry":
-        return {
-            "do_remote_prefill": True,
-            "kvferry": {
-                "v": KVFERRY_PARAMS_VERSION,
-                "request_id": router_id,
-                "attempt": attempt,
-                "role": "consumer",
-                "producer": {
-                    "engine_id": prefill.engine_id,
-                    "host": prefill.side_host,
-                    "port": prefill.side_port,
-                    "tp_size": prefill.tp_size,
-                },
-                "deadline_s": transfer_s,
-            },
-        }
+        p = prefill
+        return ConsumerParams(
+            router_id, attempt, p.engine_id, p.side_host, p.side_port, p.tp_size, transfer_s
+        ).kv_transfer_params()
     if mode == "vllm-push":
         return {
             "do_remote_prefill": True,

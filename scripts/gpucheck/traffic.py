@@ -10,6 +10,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from kvferry.contracts.params import ConsumerParams, ProducerParams
+
 from .command import DEADLINE_S, HOST, SERVED_NAME, GpuServerSpec
 from .launch import GpuServer
 
@@ -41,30 +43,11 @@ def completion_body(prompt: list[int], max_tokens: int, logprobs: int | None = N
 def pd_legs(
     body: dict[str, Any], rid: str, *, producer: GpuServerSpec, consumer: GpuServerSpec, attempt: int = 0
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(prefill leg, decode leg) carrying the contract's kvferry params (docs/contracts.md §1)."""
-    common = {"v": 1, "request_id": rid, "attempt": attempt}
-    producer_side = {"engine_id": producer.engine_id, "host": HOST, "port": producer.side_port, "tp_size": 1}
-    prefill = {
-        **body,
-        "max_tokens": 1,
-        "stream": False,
-        "kv_transfer_params": {
-            "do_remote_decode": True,
-            "kvferry": {
-                **common,
-                "role": "producer",
-                "consumer": {"engine_id": consumer.engine_id},
-                "deadline_s": DEADLINE_S,
-            },
-        },
-    }
-    decode = {
-        **body,
-        "kv_transfer_params": {
-            "do_remote_prefill": True,
-            "kvferry": {**common, "role": "consumer", "producer": producer_side, "deadline_s": DEADLINE_S},
-        },
-    }
+    """(prefill leg, decode leg) carrying the contract's kvferry params (kvferry.contracts.params)."""
+    p = ProducerParams(rid, attempt, consumer.engine_id, DEADLINE_S)
+    d = ConsumerParams(rid, attempt, producer.engine_id, HOST, producer.side_port, 1, DEADLINE_S)
+    prefill = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": p.kv_transfer_params()}
+    decode = {**body, "kv_transfer_params": d.kv_transfer_params()}
     return prefill, decode
 
 

@@ -12,28 +12,13 @@ pytest.importorskip("vllm", reason="the scheduler glue runs inside vLLM")  # the
 
 from kvferry.connector.config import KvferryConfig  # noqa: E402
 from kvferry.connector.scheduler import KvferryScheduler  # noqa: E402
+from kvferry.contracts.params import ConsumerParams, ProducerParams  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-DECODE = {
-    "do_remote_prefill": True,
-    "kvferry": {
-        "v": 1,
-        "request_id": "abc",
-        "attempt": 0,
-        "role": "consumer",
-        "producer": {"engine_id": "prefill-0", "host": "127.0.0.1", "port": 5600, "tp_size": 1},
-    },
-}
-PREFILL = {
-    "do_remote_decode": True,
-    "kvferry": {
-        "v": 1,
-        "request_id": "abc",
-        "attempt": 0,
-        "role": "producer",
-        "consumer": {"engine_id": "decode-0"},
-    },
-}
+# Without deadline_s, as a client may send them: the connector's configured deadline applies.
+DECODE = ConsumerParams("abc", 0, "prefill-0", "127.0.0.1", 5600, 1, 30.0).kv_transfer_params()
+PREFILL = ProducerParams("abc", 0, "decode-0", 30.0).kv_transfer_params()
+del DECODE["kvferry"]["deadline_s"], PREFILL["kvferry"]["deadline_s"]
 
 
 def request(params, status=RequestStatus.WAITING, n=300):

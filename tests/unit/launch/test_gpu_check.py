@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from kvferry.contracts.params import CONSUMER, PRODUCER, ConsumerParams, ProducerParams, parse, wants_transfer
 
 from scripts.gpucheck.cases import groups, matrix, parse_pairs
 from scripts.gpucheck.cli import build_parser, dry_run, main, parse_args
@@ -159,22 +160,12 @@ def test_request_pair_carries_the_kvferry_contract() -> None:
     prefill, decode = pd_legs(
         body, "r1", producer=spec(), consumer=spec(role="decode", engine_id="d-0", side_port=5601)
     )
-    assert prefill["max_tokens"] == 1 and prefill["kv_transfer_params"]["do_remote_decode"]
-    assert prefill["kv_transfer_params"]["kvferry"] == {
-        "v": 1,
-        "request_id": "r1",
-        "attempt": 0,
-        "role": "producer",
-        "consumer": {"engine_id": "d-0"},
-        "deadline_s": 60.0,
-    }
-    assert decode["max_tokens"] == 16 and decode["kv_transfer_params"]["do_remote_prefill"]
-    assert decode["kv_transfer_params"]["kvferry"]["producer"] == {
-        "engine_id": "p-0",
-        "host": "127.0.0.1",
-        "port": 5600,
-        "tp_size": 1,
-    }
+    assert prefill["max_tokens"] == 1 and decode["max_tokens"] == 16
+    assert [wants_transfer(leg["kv_transfer_params"]) for leg in (prefill, decode)] == [PRODUCER, CONSUMER]
+    assert parse(prefill["kv_transfer_params"], "producer", 1.0) == ProducerParams("r1", 0, "d-0", 60.0)
+    assert parse(decode["kv_transfer_params"], "consumer", 1.0) == ConsumerParams(
+        "r1", 0, "p-0", "127.0.0.1", 5600, 1, 60.0
+    )
 
 
 def test_compare_is_strict_unless_a_tie_margin_is_given() -> None:

@@ -1,10 +1,11 @@
-"""Leg params: kvferry params follow docs/contracts.md §1; upstream push always carries remote_request_id."""
+"""Leg params: kvferry params are the contract types; upstream push always carries remote_request_id."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+from kvferry.contracts.params import ConsumerParams, ProducerParams
 from kvferry.router import params as legs
 from kvferry.router.config import Endpoint
 from kvferry.router.errors import ApiError
@@ -13,18 +14,16 @@ P = Endpoint("prefill", "http://127.0.0.1:8100", "prefill-0", "127.0.0.1", 5600,
 D = Endpoint("decode", "http://127.0.0.1:8200", "decode-0", "127.0.0.1", 5601, 1, "r1")
 
 
-def test_kvferry_params_match_the_contract() -> None:
-    assert legs.prefill_params("kvferry", "rid", 2, D, 30.0) == {
-        "do_remote_decode": True,
-        "kvferry": {"v": 1, "request_id": "rid", "attempt": 2, "role": "producer",
-                    "consumer": {"engine_id": "decode-0"}, "deadline_s": 30.0},
-    }  # fmt: skip
-    assert legs.decode_params("kvferry", legs.COMPLETIONS, "rid", 2, P, 30.0) == {
-        "do_remote_prefill": True,
-        "kvferry": {"v": 1, "request_id": "rid", "attempt": 2, "role": "consumer",
-                    "producer": {"engine_id": "prefill-0", "host": "127.0.0.1", "port": 5600, "tp_size": 1},
-                    "deadline_s": 30.0},
-    }  # fmt: skip
+def test_kvferry_params_are_the_contract_types() -> None:
+    # The wire shape itself is pinned against docs/contracts.md in tests/unit/contracts.
+    assert (
+        legs.prefill_params("kvferry", "rid", 2, D, 30.0)
+        == ProducerParams("rid", 2, "decode-0", 30.0).kv_transfer_params()
+    )
+    assert (
+        legs.decode_params("kvferry", legs.COMPLETIONS, "rid", 2, P, 30.0)
+        == ConsumerParams("rid", 2, "prefill-0", "127.0.0.1", 5600, 1, 30.0).kv_transfer_params()
+    )
 
 
 @pytest.mark.parametrize(("path", "rid"), [(legs.COMPLETIONS, "cmpl-abc-0"), (legs.CHAT, "chatcmpl-abc")])
