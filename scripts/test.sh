@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command: set up (idempotent), lint, then run every suite (unit, nixl, cluster, e2e).
+# The test command: set up (idempotent), lint (ruff, import layering), then run every suite
+# (unit, nixl, cluster, e2e).
 # Extra arguments go to pytest, e.g. `scripts/test.sh -m "not e2e"`.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -9,4 +10,6 @@ root="$(dirname "$here")"
 cd "$root"
 ruff check .
 ruff format --check .
+# Layering: the import contracts of docs/architecture.md "Layering rules" (pyproject [tool.importlinter]).
+lint-imports --no-logo
 exec python -m pytest "$@"
