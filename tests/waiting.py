@@ -20,24 +20,27 @@ class WaitTimeout(AssertionError):
 
 
 def wait_until(
-    predicate: Callable[[], T],
+    probe: Callable[[], T],
     what: str,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     interval_s: float = 0.2,
+    *,
+    until: Callable[[T], object] = bool,
     ignore: tuple[type[BaseException], ...] = (),
 ) -> T:
-    """Call `predicate` every `interval_s` until it returns something truthy, and return that. After
-    `timeout_s`, raise WaitTimeout naming `what` and the last value seen. Exceptions of the `ignore`
-    types count as "not yet" (e.g. a server that does not answer while it starts) and are reported as
-    the last value."""
+    """Call `probe` every `interval_s` until `until(value)` holds (by default: until the value is
+    truthy), and return that value. After `timeout_s`, raise WaitTimeout naming `what` and the last
+    value seen: pass a probe that observes (a counter, the gauges) and an `until` that judges, and a
+    failure shows what was observed, not just False. Exceptions of the `ignore` types count as "not
+    yet" (e.g. a server that does not answer while it starts) and are reported as the last value."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            value = predicate()
+            value = probe()
         except ignore as exc:
             last: object = exc
         else:
-            if value:
+            if until(value):
                 return value
             last = value
         if time.monotonic() >= deadline:

@@ -16,10 +16,16 @@ def test_returns_the_first_truthy_value() -> None:
 
 
 def test_fails_naming_what_and_the_last_value() -> None:
-    ready = iter(range(10**6))
-    with pytest.raises(WaitTimeout, match=r"after 0.05 s waiting for 2 pods Ready \(last: False\)") as failed:
-        wait_until(lambda: next(ready) >= 10**6, "2 pods Ready", 0.05, 0.01)
+    counts = iter(range(10**6))
+    with pytest.raises(WaitTimeout, match=r"after 0.05 s waiting for 100 requests \(last: \d+\)") as failed:
+        wait_until(lambda: next(counts), "100 requests", 0.05, 0.01, until=lambda n: n >= 10**6)
     assert isinstance(failed.value, AssertionError)  # a test failure, not an error
+
+
+def test_until_judges_what_the_probe_observed() -> None:
+    gauges = iter([{"running": 2, "waiting": 1}, {"running": 1, "waiting": 0}, {"running": 0, "waiting": 0}])
+    idle = wait_until(lambda: next(gauges), "idle", 5, 0.001, until=lambda g: not any(g.values()))
+    assert idle == {"running": 0, "waiting": 0}
 
 
 def test_ignored_exceptions_mean_not_yet_and_are_reported() -> None:

@@ -17,6 +17,8 @@ from kvferry.connector.sidechannel import REQUEST, SideChannelError, SideChannel
 from kvferry.connector.wire import PeerInfo, encode, layout_to_wire
 from kvferry.tools.hostkv import synthetic_layout
 
+from tests.waiting import wait_until
+
 LAYOUT = synthetic_layout(
     "head_major", bases=[4096], num_blocks=8, block_size=16, num_heads=2, head_dim=8, elem_bytes=4
 )
@@ -53,19 +55,12 @@ def read_until_closed(conn: socket.socket) -> bytes:
     return bytes(data)
 
 
-def wait_for(cond, timeout_s: float = 5.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.01)
-
-
 def test_fetch_succeeds_quickly_while_idle_clients_hold_connections():
     info = peer_info()
     with serving(info) as server, ExitStack() as idle:
         for _ in range(20):  # connect and never send: the old server gave each one 2 s in turn
             idle.enter_context(connect(server))
-        time.sleep(0.1)
+        wait_until(lambda: server.active, "20 idle clients accepted", 5, 0.01, until=lambda n: n == 20)
         start = time.monotonic()
         assert fetch_peer("127.0.0.1", server.address[1], timeout_s=1.0) == info
         assert time.monotonic() - start < 0.5
@@ -80,7 +75,13 @@ def test_garbage_is_closed_without_an_answer_and_serving_goes_on(caplog):
                 conn.sendall(junk)
                 assert read_until_closed(conn) == b""
         assert fetch_peer("127.0.0.1", server.address[1], timeout_s=2.0) == info
-        wait_for(lambda: (server.stats.bad_request, server.stats.served) == (3, 1))
+        wait_until(
+            lambda: (server.stats.bad_request, server.stats.served),
+            "3 bad requests and 1 served",
+            5,
+            0.01,
+            until=lambda seen: seen == (3, 1),
+        )
     bad = [r.getMessage() for r in caplog.records if "bad request" in r.getMessage()]
     assert len(bad) == 2, bad  # rate limited: the first, then the count of the others at close()
     assert "bad request b'GET '" in bad[0]
@@ -92,7 +93,7 @@ def test_silent_client_is_dropped_at_the_deadline():
         start = time.monotonic()
         assert read_until_closed(conn) == b""
         assert 0.2 < time.monotonic() - start < 1.5
-        wait_for(lambda: server.stats.timed_out == 1)
+        wait_until(lambda: server.stats.timed_out, "1 timed out", 5, 0.01, until=lambda n: n == 1)
         assert server.active == 0
 
 
@@ -104,7 +105,7 @@ def test_deadline_is_for_the_whole_exchange_not_each_read():
             time.sleep(0.4)
         assert read_until_closed(conn) == b""
         assert time.monotonic() - start < 1.6  # a per-read timeout would run to 0.8 + 1.0 s
-        wait_for(lambda: server.stats.timed_out == 1)
+        wait_until(lambda: server.stats.timed_out, "1 timed out", 5, 0.01, until=lambda n: n == 1)
 
 
 def test_slow_but_honest_client_within_the_deadline_is_served():
@@ -135,7 +136,7 @@ def test_many_concurrent_fetches_all_get_the_exact_payload():
             t.join(timeout=20.0)
         assert len(results) == 40
         assert all(r == info for r in results), [r for r in results if r != info][:3]
-        wait_for(lambda: server.stats.served == 40)
+        wait_until(lambda: server.stats.served, "served == 40", 5, 0.01, until=lambda n: n == 40)
 
 
 def test_connections_beyond_the_cap_are_closed_at_once_and_counted():
@@ -143,16 +144,16 @@ def test_connections_beyond_the_cap_are_closed_at_once_and_counted():
     with serving(info, max_clients=4) as server, ExitStack() as idle:
         for _ in range(4):
             idle.enter_context(connect(server))
-        wait_for(lambda: server.active == 4)
+        wait_until(lambda: server.active, "active == 4", 5, 0.01, until=lambda n: n == 4)
         start = time.monotonic()
         with connect(server) as extra:
             assert read_until_closed(extra) == b""
         with pytest.raises(SideChannelError):
             fetch_peer("127.0.0.1", server.address[1], timeout_s=2.0)
         assert time.monotonic() - start < 0.5  # refused, not queued behind the idle ones
-        wait_for(lambda: server.stats.refused == 2)
+        wait_until(lambda: server.stats.refused, "refused == 2", 5, 0.01, until=lambda n: n == 2)
         idle.close()
-        wait_for(lambda: server.active == 0)
+        wait_until(lambda: server.active, "active == 0", 5, 0.01, until=lambda n: n == 0)
         assert fetch_peer("127.0.0.1", server.address[1], timeout_s=2.0) == info
 
 
@@ -161,7 +162,7 @@ def test_close_is_prompt_with_clients_connected():
     port = server.address[1]
     with ExitStack() as idle:
         conns = [idle.enter_context(connect(server)) for _ in range(5)]
-        wait_for(lambda: server.active == 5)
+        wait_until(lambda: server.active, "active == 5", 5, 0.01, until=lambda n: n == 5)
         start = time.monotonic()
         server.close()
         assert time.monotonic() - start < 0.5
