@@ -25,7 +25,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "main",
         "remove the operator's finalizer from CRs when the operator is gone",
     ),
-    "crd": ("kvferry.operator.crdgen", "main", "write the CRD generated from operator/spec.py"),
+    "generate": (
+        "kvferry.tools.generate",
+        "main",
+        "write (or --check) every generated file: CRDs, API reference, chart templates, install.yaml",
+    ),
     "cluster": ("kvferry.local.controlplane.cli", "main", "build/start/stop the local control plane"),
     "model": ("kvferry.local.tinymodel", "main", "build the tiny local test model and tokenizer"),
 }

@@ -1,7 +1,8 @@
 """RBAC step: the permissions the operator needs, as data, each rule with the reason it exists.
 
-The Helm chart and manifests/ render `cluster_role()` (or `role()` for a namespaced install) from here;
-the cluster tests run the operator under a ServiceAccount bound to exactly these rules.
+`kvferry generate` writes RULES into the chart (charts/kvferry/templates/_rbac-rules.tpl, each rule under
+its reason) and so into manifests/install.yaml; the cluster tests run the operator under a ServiceAccount
+bound to exactly these rules (`cluster_role()`).
 """
 
 from __future__ import annotations
@@ -113,22 +114,3 @@ def cluster_role_binding(sa_namespace: str, sa_name: str, role: str = "kvferry-o
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
         "subjects": [{"kind": "ServiceAccount", "name": sa_name, "namespace": sa_namespace}],
     }
-
-
-def commented_yaml(name: str = "kvferry-operator") -> str:
-    """The ClusterRole as YAML with each rule's reason as a comment above it (for the chart/manifests)."""
-    lines = [
-        "apiVersion: rbac.authorization.k8s.io/v1",
-        "kind: ClusterRole",
-        "metadata:",
-        f"  name: {name}",
-        "rules:",
-    ]
-    for groups, resources, verbs, why in RULES:
-        lines += [
-            f"  # {why}",
-            f"  - apiGroups: {groups}".replace("'", '"'),
-            f"    resources: {resources}".replace("'", '"'),
-            f"    verbs: {verbs}".replace("'", '"'),
-        ]
-    return "\n".join(lines) + "\n"

@@ -10,6 +10,8 @@ root="$(dirname "$here")"
 cd "$root"
 ruff check .
 ruff format --check .
+# Generated files (CRDs, API reference, chart templates, install.yaml) equal a fresh generation.
+kvferry generate --check
 # Layering: the import contracts of docs/architecture.md "Layering rules" (pyproject [tool.importlinter]).
 lint-imports --no-logo
 exec python -m pytest "$@"

@@ -1,8 +1,8 @@
 """Chart templates generated from the operator's own outputs (pure: text in, text out, no I/O).
 
-Two files in charts/kvferry/templates are never edited by hand:
-- `crd-disaggregatedinferences.yaml`: the CRD from crds/ (itself generated from operator/spec.py by
-  `kvferry crd`), wrapped in the crds.enabled / crds.keep gate as cert-manager's chart does, so
+Written by `kvferry generate` (tools/generate.py) into charts/kvferry/templates, never edited by hand:
+- `crd-disaggregatedinferences.yaml`, `crd-kopf-peerings.yaml`: the CRDs of crds/ (generated in the
+  same run), wrapped in the crds.enabled / crds.keep gate as cert-manager's chart does, so
   `helm upgrade` updates the CRD (a chart's crds/ folder would be installed once and never again).
 - `_rbac-rules.tpl`: the operator's RBAC rules as named templates, each rule under a comment that
   says why the operator needs it; operator-rbac.yaml decides where they are granted.
@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
-
-GENERATED_BY = "python -m kvferry.local.chart sync"
+from kvferry.operator.crdgen import GENERATED_BY
 
 # Where a rule is granted (templates/operator-rbac.yaml), by the operator's watch scope:
 #   cluster          always, in the ClusterRole (cluster-scoped kinds the operator reads)

@@ -1,33 +1,48 @@
-"""The generated install artifacts and their sources: which file is made from what."""
+"""`kvferry generate [--check]`: every generated file of the repository, in one run, sources first.
+
+1. crds/*.yaml and docs/api-reference.md from operator/spec.py (operator/crdgen.py);
+2. the chart's CRD templates (from step 1's CRDs, in memory) and RBAC rules (operator/rbac.py);
+3. manifests/install.yaml: the chart as step 2 leaves it, rendered by the real `helm template`;
+4. manifests/gitops/argocd-cm.yaml, the Argo CD patch carrying manifests/gitops/argocd-health.lua.
+
+`--check` generates the same in memory (helm renders a temporary copy of the chart) and exits 1 naming
+every file that differs, is missing, or is left over. Release artifacts, so this lives in tools/, not in
+the development-only kvferry.local: it runs from a checkout (--root) and in CI (scripts/test.sh).
+"""
 
 from __future__ import annotations
 
+import argparse
 import shutil
+import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import yaml
-from kvferry.local.chart import helm, templates
+from kvferry.operator import crdgen, rbac
+from kvferry.tools import chartgen, helm
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "kvferry"
-# crds/<file> (written by `kvferry crd`) -> charts/kvferry/templates/crd-<file>
-CRD_FILES = ("disaggregatedinferences.yaml", "kopf-peerings.yaml")
+ROOT = Path(__file__).resolve().parents[1]
+# Paths relative to the repository root.
+CHART = Path("charts/kvferry")
 RBAC_TEMPLATE = CHART / "templates" / "_rbac-rules.tpl"
-INSTALL = ROOT / "manifests" / "install.yaml"
-ARGOCD_HEALTH = ROOT / "manifests" / "gitops" / "argocd-health.lua"
-ARGOCD_CM = ROOT / "manifests" / "gitops" / "argocd-cm.yaml"
+API_REFERENCE = Path("docs/api-reference.md")
+INSTALL = Path("manifests/install.yaml")
+ARGOCD_HEALTH = Path("manifests/gitops/argocd-health.lua")
+ARGOCD_CM = Path("manifests/gitops/argocd-cm.yaml")
+# Only this command writes files matching these: one it no longer generates (a CRD dropped) is stale.
+OWNED_GLOBS = ("crds/*.yaml", f"{CHART}/templates/crd-*.yaml")
 
 # The namespace manifests/install.yaml installs into (`kubectl apply` has no --create-namespace).
 INSTALL_NAMESPACE = "kvferry-system"
 INSTALL_HEADER = f"""\
 # kvferry: CRD, operator and RBAC for `kubectl apply -f manifests/install.yaml`.
-# Generated from charts/kvferry with default values by `{templates.GENERATED_BY}`. Do not edit:
+# Generated from charts/kvferry with default values by `{crdgen.GENERATED_BY}`. Do not edit:
 # change the chart (or the operator's CRD/RBAC sources) and regenerate.
 """
 
-
-# Where the chart grants a resource, by watch mode (see templates.SCOPES). Anything not listed is
+# Where the chart grants a resource, by watch mode (see chartgen.SCOPES). Anything not listed is
 # namespaced and follows the watched namespaces. A cluster-scoped kind missing here would be granted
 # only through Roles, where it has no effect: test_install_operator_rbac catches that as a 403.
 RESOURCE_SCOPES = {
@@ -42,10 +57,16 @@ RESOURCE_SCOPES = {
 }
 
 
-def operator_rules() -> list[templates.Rule]:
-    """The operator's RBAC rules from its one list (kvferry.operator.rbac.RULES), split by scope."""
-    from kvferry.operator import rbac  # imported late: only `sync`/`check` need the operator package
+def crd_files() -> dict[str, tuple[list[dict[str, Any]], str]]:
+    """crds/<file> -> (its CRD documents, the source its header names)."""
+    return {
+        "disaggregatedinferences.yaml": ([crdgen.crd()], "operator/spec.py"),
+        "kopf-peerings.yaml": (crdgen.peering_crds(), "operator/crdgen.py (kopf's peering kinds)"),
+    }
 
+
+def operator_rules() -> list[chartgen.Rule]:
+    """The operator's RBAC rules from its one list (kvferry.operator.rbac.RULES), split by scope."""
     out = []
     for groups, resources, verbs, why in rbac.RULES:
         by_scope: dict[str, list[str]] = {}
@@ -55,16 +76,8 @@ def operator_rules() -> list[templates.Rule]:
                 raise ValueError(f"RBAC rule {groups}/{resource}: groups disagree on the scope")
             by_scope.setdefault(scopes.pop(), []).append(resource)
         for scope, scoped in by_scope.items():
-            out.append(templates.Rule(tuple(groups), tuple(scoped), tuple(verbs), why, scope))
+            out.append(chartgen.Rule(tuple(groups), tuple(scoped), tuple(verbs), why, scope))
     return out
-
-
-def load_crds(name: str) -> list[dict]:
-    """The CRD documents of crds/<name>, as `kvferry crd` wrote them."""
-    path = ROOT / "crds" / name
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: generate it with `kvferry crd`")
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
 def install_yaml(rendered: str) -> str:
@@ -84,7 +97,7 @@ def argocd_cm(script: str) -> str:
     """A merge patch for Argo CD's argocd-cm carrying the DisaggregatedInference health script."""
     header = (
         f"# Argo CD health check for DisaggregatedInference: the script in argocd-health.lua.\n"
-        f"# Generated by `{templates.GENERATED_BY}`. Apply as a patch:\n"
+        f"# Generated by `{crdgen.GENERATED_BY}`. Apply as a patch:\n"
         "#   kubectl -n argocd patch configmap argocd-cm --patch-file manifests/gitops/argocd-cm.yaml\n"
     )
     key = "resource.customizations.health.kvferry.io_DisaggregatedInference"
@@ -92,31 +105,83 @@ def argocd_cm(script: str) -> str:
     return f"{header}data:\n  {key}: |\n{block}"
 
 
-def render_chart(chart_files: dict[Path, str], **template_args) -> str:
-    """`helm template` a temporary copy of the chart with `chart_files` (paths inside CHART) replaced.
+def render_chart(chart: Path, chart_files: dict[Path, str]) -> str:
+    """`helm template` a temporary copy of `chart` with `chart_files` (paths inside it) replaced.
 
-    install.yaml must come from the chart as it will be committed, so `check` renders the freshly
+    install.yaml must come from the chart as it will be committed, so `--check` renders the freshly
     generated templates without writing them into the work tree.
     """
     with tempfile.TemporaryDirectory(prefix="kvferry-chart-") as tmp:
-        copy = Path(tmp) / CHART.name
-        shutil.copytree(CHART, copy)
-        for path, text in chart_files.items():
-            (copy / path.relative_to(CHART)).write_text(text)
-        return helm.template(copy, namespace=INSTALL_NAMESPACE, **template_args)
+        copy = Path(tmp) / chart.name
+        shutil.copytree(chart, copy)
+        for rel, text in chart_files.items():
+            (copy / rel).write_text(text)
+        return helm.template(copy, namespace=INSTALL_NAMESPACE)
 
 
-def render_all() -> dict[Path, str]:
-    """Every generated file's wanted content, keyed by its path in the repository."""
-    wanted = {
-        CHART / "templates" / f"crd-{name}": templates.crd_template(load_crds(name), f"crds/{name}")
-        for name in CRD_FILES
-    }
-    wanted[RBAC_TEMPLATE] = templates.rbac_rules_template(operator_rules())
-    wanted[INSTALL] = install_yaml(render_chart(wanted))
-    wanted[ARGOCD_CM] = argocd_cm(ARGOCD_HEALTH.read_text())
+def generate(root: Path = ROOT) -> dict[Path, str]:
+    """Every generated file's content, keyed by its path relative to `root`, sources before users."""
+    wanted: dict[Path, str] = {}
+    chart_files: dict[Path, str] = {}  # relative to the chart
+    for name, (docs, source) in crd_files().items():
+        wanted[Path("crds") / name] = crdgen.dump(docs, source)
+        chart_files[Path("templates") / f"crd-{name}"] = chartgen.crd_template(docs, f"crds/{name}")
+    wanted[API_REFERENCE] = crdgen.api_reference()
+    chart_files[RBAC_TEMPLATE.relative_to(CHART)] = chartgen.rbac_rules_template(operator_rules())
+    wanted |= {CHART / rel: text for rel, text in chart_files.items()}
+    wanted[INSTALL] = install_yaml(render_chart(root / CHART, chart_files))
+    wanted[ARGOCD_CM] = argocd_cm((root / ARGOCD_HEALTH).read_text())
     return wanted
 
 
-def stale(wanted: dict[Path, str]) -> list[Path]:
-    return [p for p, text in wanted.items() if not p.exists() or p.read_text() != text]
+def stale(root: Path, wanted: dict[Path, str]) -> dict[Path, str]:
+    """Files under `root` that differ from `wanted`, with why: missing, differs, or left over."""
+    out = {}
+    for rel, text in wanted.items():
+        path = root / rel
+        if not path.exists():
+            out[rel] = "missing"
+        elif path.read_text() != text:
+            out[rel] = "differs"
+    for pattern in OWNED_GLOBS:
+        for path in sorted(root.glob(pattern)):
+            if path.relative_to(root) not in wanted:
+                out[path.relative_to(root)] = "left over: no longer generated"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvferry generate", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 naming every stale file")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the checkout to generate into")
+    args = parser.parse_args(argv)
+    root = args.root.resolve()
+    if not (root / CHART / "Chart.yaml").exists():
+        print(f"kvferry generate: {root} has no {CHART}: run it in a kvferry checkout", file=sys.stderr)
+        return 2
+    try:
+        wanted = generate(root)
+    except helm.HelmError as exc:
+        print(f"kvferry generate: {exc}", file=sys.stderr)
+        return 2
+    problems = stale(root, wanted)
+    if args.check:
+        for rel, why in problems.items():
+            print(f"stale: {rel} ({why})", file=sys.stderr)
+        if problems:
+            print("run `kvferry generate` and commit the result", file=sys.stderr)
+        return 1 if problems else 0
+    for rel in problems:
+        path = root / rel
+        if rel in wanted:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(wanted[rel])
+            print(f"wrote {rel}")
+        else:
+            path.unlink()
+            print(f"removed {rel}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

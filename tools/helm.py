@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
-
-# Helm renders without a cluster as this Kubernetes version (the control plane's pin), so output
-# does not depend on the helm build's compiled-in default.
-from kvferry.local.controlplane.versions import KUBERNETES
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -34,6 +32,21 @@ def helm_binary() -> str:
         "helm not found: run scripts/setup.sh (it builds helm into ~/.cache/kvferry/bin) and "
         "`. scripts/env.sh`, or set KVFERRY_HELM"
     )
+
+
+@functools.cache
+def kube_version(chart: Path) -> str:
+    """The oldest Kubernetes the chart supports (Chart.yaml `kubeVersion: ">=X.Y.Z-0"`).
+
+    Helm renders offline as this version, so the output never depends on the helm build's compiled-in
+    default (a helm built from Go modules claims v1.20 and fails the chart's constraint), and what it
+    renders works on every version the chart allows.
+    """
+    text = (chart / "Chart.yaml").read_text()
+    match = re.search(r'^kubeVersion:\s*"?>=\s*v?(\d+\.\d+\.\d+)', text, re.M)
+    if not match:
+        raise HelmError(f'{chart}/Chart.yaml: kubeVersion must be a minimum, e.g. ">=1.30.0-0"')
+    return match.group(1)
 
 
 def run(
@@ -61,8 +74,8 @@ def template(
     set_values: Sequence[str] = (),
     show_only: Sequence[str] = (),
 ) -> str:
-    """`helm template` the chart offline, as the pinned Kubernetes version."""
-    args = ["template", release, str(chart), "--namespace", namespace, "--kube-version", KUBERNETES]
+    """`helm template` the chart offline, as the oldest Kubernetes version it supports."""
+    args = ["template", release, str(chart), "--namespace", namespace, "--kube-version", kube_version(chart)]
     for path in values:
         args += ["--values", str(path)]
     for item in set_values:
@@ -74,7 +87,7 @@ def template(
 
 def lint(chart: Path, *, values: Sequence[Path] = ()) -> str:
     """`helm lint --strict` the chart; raises HelmError on any warning or error."""
-    args = ["lint", str(chart), "--strict", "--kube-version", KUBERNETES]
+    args = ["lint", str(chart), "--strict", "--kube-version", kube_version(chart)]
     for path in values:
         args += ["--values", str(path)]
     return run(args)

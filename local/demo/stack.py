@@ -89,7 +89,7 @@ class Stack:
     def install_crd(self) -> None:
         plane = self._plane()
         if not CRD_FILE.is_file():
-            raise StackError(f"CRD file {CRD_FILE} is missing (generate it with `kvferry crd`)")
+            raise StackError(f"CRD file {CRD_FILE} is missing (generate it with `kvferry generate`)")
         plane.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
         # Polled here: `kubectl wait` fails at once while the new CRD has no status.conditions yet.
         path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{PLURAL}.{GROUP}"

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 import yaml
-from kvferry.local.chart import artifacts, helm
+from kvferry.operator import crdgen
+from kvferry.tools import generate, helm
 
-CHART = artifacts.CHART
+CHART = generate.ROOT / generate.CHART
 CRD_NAMES = {
     "disaggregatedinferences.kvferry.io",
     "kopfpeerings.kopf.dev",
@@ -114,7 +115,7 @@ def test_crds_are_kept_on_uninstall_by_default_and_can_be_left_out() -> None:
 
 
 def test_chart_crd_is_the_generated_crd() -> None:
-    (source,) = artifacts.load_crds("disaggregatedinferences.yaml")
+    source = crdgen.crd()
     (rendered,) = [
         c for c in by_kind(render(), "CustomResourceDefinition") if c["spec"]["group"] == "kvferry.io"
     ]
@@ -171,10 +172,3 @@ def test_image_digest_wins_over_the_tag() -> None:
     image = operator_container(render(f"operator.image.digest={digest}", "operator.image.tag=9.9.9"))["image"]
     assert image.endswith("@" + digest)
     assert operator_container(render())["image"].endswith(":0.1.0")
-
-
-def test_generated_files_are_in_sync() -> None:
-    """CRD and RBAC templates, manifests/install.yaml and the Argo CD patch equal a fresh generation."""
-    wanted = artifacts.render_all()
-    stale = [str(p.relative_to(artifacts.ROOT)) for p in artifacts.stale(wanted)]
-    assert stale == [], "run `python -m kvferry.local.chart sync`"

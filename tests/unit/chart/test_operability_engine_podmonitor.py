@@ -4,15 +4,15 @@ the pods the operator renders for prefill and decode (labels from operator/names
 from __future__ import annotations
 
 import yaml
-from kvferry.local.chart import artifacts, helm
 from kvferry.operator import names
 from kvferry.operator.render.objects import render as render_cr
+from kvferry.tools import generate, helm
 
 from tests.unit.operator.cases import make_inference
 
 
 def _chart(*set_values: str) -> list[dict]:
-    text = helm.template(artifacts.CHART, namespace="kvferry-system", set_values=set_values)
+    text = helm.template(generate.ROOT / generate.CHART, namespace="kvferry-system", set_values=set_values)
     return [d for d in yaml.safe_load_all(text) if d]
 
 

@@ -1,19 +1,23 @@
-"""The committed CRD and API reference are exactly what operator/spec.py generates."""
+"""The committed CRD, API reference, chart templates and install.yaml are exactly what `kvferry generate`
+makes from operator/spec.py, operator/rbac.py and the chart."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import yaml
 from kvferry.operator import crdgen, spec
+from kvferry.tools import generate
 
 
-def test_committed_files_equal_a_fresh_generation() -> None:
-    for rel, text in crdgen.outputs().items():
-        committed = (crdgen.ROOT / rel).read_text()
-        assert committed == text, f"{rel} is stale: run `kvferry crd`"
+def test_committed_files_equal_a_fresh_generation(capsys) -> None:
+    assert generate.main(["--check"]) == 0, capsys.readouterr().err
 
 
 def test_crd_carries_subresources_columns_and_every_rule() -> None:
-    crd = yaml.safe_load((crdgen.ROOT / crdgen.CRD_PATH).read_text())
+    crd = yaml.safe_load((generate.ROOT / "crds" / "disaggregatedinferences.yaml").read_text())
+    assert crd == crdgen.crd()
     version = crd["spec"]["versions"][0]
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.decode.replicas"
     assert "status" in version["subresources"]
@@ -25,7 +29,24 @@ def test_crd_carries_subresources_columns_and_every_rule() -> None:
     assert spec_schema["properties"]["kvTransfer"]["default"] == {}
 
 
-def test_check_mode_reports_stale_files(tmp_path) -> None:
-    assert crdgen.main(["--root", str(tmp_path), "--check"]) == 1
-    assert crdgen.main(["--root", str(tmp_path)]) == 0
-    assert crdgen.main(["--root", str(tmp_path), "--check"]) == 0
+def _checkout_sources(root: Path) -> None:
+    """The non-generated inputs the generator reads from a checkout: the chart and the Argo CD script."""
+    shutil.copytree(generate.ROOT / generate.CHART, root / generate.CHART)
+    (root / generate.ARGOCD_HEALTH).parent.mkdir(parents=True)
+    shutil.copy(generate.ROOT / generate.ARGOCD_HEALTH, root / generate.ARGOCD_HEALTH)
+
+
+def test_check_names_every_stale_file_and_one_run_fixes_them(tmp_path: Path, capsys) -> None:
+    _checkout_sources(tmp_path)
+    (tmp_path / "crds").mkdir()
+    (tmp_path / "crds" / "dropped.yaml").write_text("# a CRD no longer generated\n")
+    (tmp_path / generate.RBAC_TEMPLATE).write_text("stale\n")
+    assert generate.main(["--root", str(tmp_path), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "stale: crds/disaggregatedinferences.yaml (missing)" in err
+    assert f"stale: {generate.RBAC_TEMPLATE} (differs)" in err
+    assert "stale: crds/dropped.yaml (left over" in err
+    assert f"stale: {generate.INSTALL} (missing)" in err
+    assert generate.main(["--root", str(tmp_path)]) == 0
+    assert not (tmp_path / "crds" / "dropped.yaml").exists()
+    assert generate.main(["--root", str(tmp_path), "--check"]) == 0
