@@ -18,10 +18,9 @@ from kubernetes import watch
 from kvferry.local.controlplane.processes import reserve_ports
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 
-from tests.cluster.operator_fixtures import *  # noqa: F403
-from tests.cluster.operator_fixtures import wait_until
 from tests.cluster.test_operator_transfer_status import FakeMetrics, prometheus
 from tests.unit.operator.cases import make_inference
+from tests.waiting import wait_until
 
 TICKS = 5  # metric-timer status writes while the Secret is missing
 RESYNCS = 2  # full reconciles in the same window
