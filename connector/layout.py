@@ -25,8 +25,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import numpy as np
+
+# In-block (source offsets, destination offsets, lengths) of a run of tokens, all planes and shared heads.
+Pieces = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 class LayoutError(ValueError):
@@ -82,7 +86,13 @@ class KVLayout:
     regions: tuple[Region, ...]
     memory: str = "DRAM"  # NIXL memory type: DRAM (host) or VRAM (GPU)
     device_id: int = 0  # GPU index for VRAM
-    _cache: dict = field(default_factory=dict, init=False, compare=False, repr=False, hash=False)
+    # Derived once per layout: block offsets, and in-block pieces per (peer fingerprint, run).
+    _cache: dict[str, np.ndarray] = field(
+        default_factory=dict, init=False, compare=False, repr=False, hash=False
+    )
+    _pieces: dict[tuple[str, int, int, int, bool], Pieces] = field(
+        default_factory=dict, init=False, compare=False, repr=False, hash=False
+    )
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_heads", "total_heads", "head_dim", "elem_bytes", "block_stride"):
@@ -174,7 +184,7 @@ class KVLayout:
                 out.append([start, end])
         return [(a, b - a) for a, b in out]
 
-    def signature(self) -> dict:
+    def signature(self) -> dict[str, Any]:
         """Everything that decides where bytes go, without addresses (equal on equal engines)."""
         return {
             "kind": self.kind,
@@ -210,7 +220,7 @@ class KVLayout:
     # ---- constructors ----
     @classmethod
     def from_offsets(
-        cls, offsets: np.ndarray, *, block_stride: int, bases: Sequence[int], num_blocks: int, **kw
+        cls, offsets: np.ndarray, *, block_stride: int, bases: Sequence[int], num_blocks: int, **kw: Any
     ) -> KVLayout:
         """Fit a layout to measured byte offsets (planes x local heads x tokens x dims) of one block.
 
@@ -426,13 +436,11 @@ def plan(
     return Segments(src_a, dst_a, ln, reg, reg.copy())
 
 
-def _pattern(
-    src: KVLayout, dst: KVLayout, s0: int, d0: int, n: int, *, merge: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _pattern(src: KVLayout, dst: KVLayout, s0: int, d0: int, n: int, *, merge: bool) -> Pieces:
     """In-block (src offset, dst offset, length) pieces for a run of n tokens starting at token s0
     of a producer block and d0 of a consumer block, all planes and shared heads."""
     cache_key = (dst.fingerprint, s0, d0, n, merge)
-    hit = src._cache.get(cache_key)
+    hit = src._pieces.get(cache_key)
     if hit is not None:
         return hit
     lo, hi = max(src.head_offset, dst.head_offset), min(src.heads().stop, dst.heads().stop)
@@ -444,9 +452,9 @@ def _pattern(
     piece = (
         _merge_runs(s_off.ravel(), d_off.ravel(), length) if merge else (s_off.ravel(), d_off.ravel(), length)
     )
-    if len(src._cache) > 4096:  # bounded: patterns are few per peer (block-size ratio x run lengths)
-        src._cache.clear()
-    src._cache[cache_key] = piece
+    if len(src._pieces) > 4096:  # bounded: patterns are few per peer (block-size ratio x run lengths)
+        src._pieces.clear()
+    src._pieces[cache_key] = piece
     return piece
 
 
@@ -464,7 +472,7 @@ def _dim_chunk(layout: KVLayout) -> int:
     return max(chunk, 1)
 
 
-def _merge_runs(src: np.ndarray, dst: np.ndarray, ln: np.ndarray) -> tuple[np.ndarray, ...]:
+def _merge_runs(src: np.ndarray, dst: np.ndarray, ln: np.ndarray) -> Pieces:
     """Merge pieces contiguous on both sides (sorted by source address first)."""
     order = np.argsort(src, kind="stable")
     src, dst, ln = src[order], dst[order], ln[order]

@@ -219,9 +219,7 @@ class ProducerCore:
             return [Reject("unknown_request", f"cancel for {key} from {consumer_engine}")]
         entry.failed = True
         reg = entry.regs.pop(consumer_rank, None)
-        out: list[Action] = (
-            [SendFailure(reg, "cancelled")] if reg and consumer_rank not in entry.inflight else []
-        )
+        out = [SendFailure(reg, "cancelled")] if reg and consumer_rank not in entry.inflight else []
         return out + self._maybe_release(key, now)
 
     def write_finished(self, key: Key, consumer_rank: int, ok: bool, reason: str, now: float) -> list[Action]:
@@ -301,9 +299,10 @@ class ProducerCore:
         if entry.targets is not None and entry.done >= entry.targets:
             return [self._end(key, "sent")]
         if entry.failed:
-            return [
+            out: list[Action] = [
                 SendFailure(r, "transfer_failed") for n, r in entry.regs.items() if n not in entry.done
-            ] + [self._end(key, "failed")]
+            ]
+            return out + [self._end(key, "failed")]
         return []
 
     def _end(self, key: Key, reason: str) -> Release:

@@ -12,9 +12,12 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvferry.operator.flags import OWNED_FLAGS, SHORT_ALIASES, cel_no_owned_flags, owned_flags_in
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 GROUP = "kvferry.io"
 VERSION = "v1alpha1"
@@ -394,8 +397,11 @@ def unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+_SCALARS: dict[type, type | tuple[type, ...]] = {str: str, int: int, float: (int, float), bool: bool}
+
+
 def _check_scalar(value: Any, tp: Any, schema: dict[str, Any], path: str, errors: list[str]) -> None:
-    expected = {str: str, int: int, float: (int, float), bool: bool}[tp]
+    expected = _SCALARS[tp]
     if not isinstance(value, expected) or (tp is not bool and isinstance(value, bool)):
         errors.append(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
         return
@@ -405,15 +411,15 @@ def _check_scalar(value: Any, tp: Any, schema: dict[str, Any], path: str, errors
         errors.append(f"{path}: must be >= {schema['minimum']} (got {value})")
     if "maximum" in schema and value > schema["maximum"]:
         errors.append(f"{path}: must be <= {schema['maximum']} (got {value})")
-    if "minLength" in schema and len(value) < schema["minLength"]:
+    if "minLength" in schema and isinstance(value, str) and len(value) < schema["minLength"]:
         errors.append(f"{path}: must not be empty")
-    if "maxLength" in schema and len(value) > schema["maxLength"]:
+    if "maxLength" in schema and isinstance(value, str) and len(value) > schema["maxLength"]:
         errors.append(f"{path}: longer than {schema['maxLength']} characters")
 
 
 def _convert(value: Any, tp: Any, schema: dict[str, Any], path: str, errors: list[str]) -> Any:
     tp, _ = unwrap_optional(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return parse_dataclass(tp, value, path, errors)
     origin = typing.get_origin(tp)
     if origin is list:
@@ -439,7 +445,10 @@ def _convert(value: Any, tp: Any, schema: dict[str, Any], path: str, errors: lis
     return value
 
 
-def parse_dataclass(cls: type, data: Any, path: str, errors: list[str]) -> Any:
+T = TypeVar("T", bound="DataclassInstance")
+
+
+def parse_dataclass(cls: type[T], data: Any, path: str, errors: list[str]) -> T | None:
     """Build `cls` from camelCase `data`, collecting errors instead of raising at the first."""
     if data is None:
         data = {}
@@ -470,6 +479,6 @@ def parse_spec(spec: Any, name: str | None = None) -> Spec:
         errors.append(NAME_RULE[1])
     if parsed is not None and not errors:
         errors += [f"spec{rule.field_path}: {rule.message}" for rule in RULES if not rule.check(parsed)]
-    if errors:
+    if errors or parsed is None:  # None only after a reported error
         raise SpecError(errors)
     return parsed

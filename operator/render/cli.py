@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 from kvferry.operator.render.objects import DEFAULT_ROUTER_IMAGE, render
 from kvferry.operator.spec import KIND, SpecError
 
 
-def _read(source: str) -> list[dict]:
+def _read(source: str) -> list[dict[str, Any]]:
     text = sys.stdin.read() if source == "-" else Path(source).read_text()
     return [doc for doc in yaml.safe_load_all(text) if doc]
 
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router-image", default=DEFAULT_ROUTER_IMAGE, help="image for the router pods")
     parser.add_argument("--revision", action="store_true", help="print only each CR's revision hash")
     args = parser.parse_args(argv)
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     for source in args.files:
         try:
             docs = _read(source)

@@ -24,7 +24,8 @@ DEVICE_BUFFER = {"nvidia.com/gpu": "cuda", "aws.amazon.com/neuron": "cuda"}
 @functools.cache
 def load(accelerator: str) -> dict[str, Any]:
     """Preset data for one accelerator (cached; presets are read-only)."""
-    return yaml.safe_load((PRESET_DIR / f"{accelerator}.yaml").read_text())
+    data: dict[str, Any] = yaml.safe_load((PRESET_DIR / f"{accelerator}.yaml").read_text())
+    return data
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def merge(spec: Spec, role_name: str) -> PodPlan:
     """Combine the spec's preset with one role's settings: the single visible merge."""
     preset = load(spec.accelerator)
     role: Role = getattr(spec, role_name)
-    accel = preset.get("accelerator")
+    accel: dict[str, Any] = preset.get("accelerator") or {}  # cpu and none have no devices
     devices = math.ceil(role.tensor_parallel_size / accel["tpPerDevice"]) if accel else 0
     efa = role.efa
     if efa is None:
