@@ -10,7 +10,11 @@ from __future__ import annotations
 from kvferry.connector.protocol import Reject
 from kvferry.connector.wire import Cancel, Done, Failure, Message, Registration, WireError, decode
 
-TAKES = {"producer": (Registration, Cancel), "consumer": (Done, Failure)}
+# Typed by the Message union: inferred, tuples of the common base class, mypy would see every message match.
+TAKES: dict[str, tuple[type[Message], ...]] = {
+    "producer": (Registration, Cancel),
+    "consumer": (Done, Failure),
+}
 
 
 def engine_of(agent_name: str) -> str:
