@@ -16,7 +16,7 @@ import yaml
 from kvferry.operator import names
 from kvferry.operator.render import injection, presets, security
 from kvferry.operator.render.presets import PodPlan, merge
-from kvferry.operator.spec import GROUP, KIND, VERSION, Spec, parse_spec
+from kvferry.operator.spec import GROUP, KIND, VERSION, Role, Spec, parse_spec
 
 DEFAULT_ROUTER_IMAGE = "ghcr.io/kvferry/operator:0.1.0"  # the operator image also holds the router
 PRESTOP_SECONDS = 10
@@ -69,7 +69,7 @@ def revision_of(spec: Spec, plans: dict[str, PodPlan], injector_image: str) -> s
     kv = asdict(spec.kv_transfer)
     if kv["connector_source"] == "image":
         del kv["connector_source"]  # the default leaves revisions of existing CRs unchanged
-    shared = {
+    shared: dict[str, Any] = {
         "model": spec.model,
         "served": spec.served_model_name,
         "accelerator": spec.accelerator,
@@ -117,7 +117,8 @@ def kv_transfer_config(spec: Spec, role: str, plan: PodPlan, revision: str = "")
 
 
 def vllm_args(spec: Spec, role: str, kv_json: str, shutdown_timeout: int) -> list[str]:
-    engine, rspec = spec.vllm, getattr(spec, role)
+    engine = spec.vllm
+    rspec: Role = getattr(spec, role)
     args = [
         spec.model,
         "--port",
@@ -287,8 +288,8 @@ def render(
     }
     objects: list[dict[str, Any]] = []
     for template in TEMPLATES:
-        for ctx in roles if template in ROLE_TEMPLATES else [None]:
-            text = _env.get_template(template).render(context, r=ctx)
+        for role_ctx in roles if template in ROLE_TEMPLATES else [None]:
+            text = _env.get_template(template).render(context, r=role_ctx)
             objects += [doc for doc in yaml.safe_load_all(text) if doc]
     if meta.get("uid"):
         for obj in objects:

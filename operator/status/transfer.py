@@ -170,7 +170,9 @@ def health(
         )
     failed = _increase(producer.failures, previous.get("failures", 0))
     if failed > 0:
-        reason = max(producer.failures_by_reason, key=producer.failures_by_reason.get, default="unknown")
+        reason = max(
+            producer.failures_by_reason, key=producer.failures_by_reason.__getitem__, default="unknown"
+        )
         return (
             "False",
             Reason.TRANSFER_FAILURES,
@@ -205,7 +207,8 @@ def summarize(
 
     Unparseable texts count as unscraped pods rather than failing the whole summary.
     """
-    producers, consumers = [], []
+    producers: list[Sample] = []
+    consumers: list[Sample] = []
     for texts, out in ((producer_texts, producers), (consumer_texts, consumers)):
         for text in texts:
             try:
@@ -236,7 +239,7 @@ def summarize(
     }
     if verdict[1] == Reason.TRANSFER_FAILURES:
         summary["lastFailure"] = max(
-            producer.failures_by_reason, key=producer.failures_by_reason.get, default=""
+            producer.failures_by_reason, key=producer.failures_by_reason.__getitem__, default=""
         )
         summary["lastFailureTime"] = now
     return {k: v for k, v in summary.items() if v is not None}, verdict
