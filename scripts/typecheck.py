@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 import sys
-import tomllib
 from pathlib import Path
 
+import tomllib
 from mypy import api
 
 ROOT = Path(__file__).resolve().parent.parent
