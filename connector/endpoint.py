@@ -43,6 +43,7 @@ from kvferry.connector.wire import (
     layout_to_wire,
 )
 from kvferry.connector.writes import InFlight, Write
+from kvferry.contracts.metrics import LAYOUT_MISMATCH
 
 log = logging.getLogger(__name__)
 Key = P.Key
@@ -407,7 +408,7 @@ class Endpoint:
             return
         try:
             if self._refusal(agent, consumer_side=False, registered=reg.layout_fingerprint):
-                why = "layout_mismatch"
+                why = LAYOUT_MISMATCH
                 self._feed(self.producer.write_finished(key, reg.consumer_rank, False, why, now), now)
                 return
             handle, plan = self.transport.write(
@@ -471,7 +472,7 @@ class Endpoint:
 
         def then(agent: str | None, err: str) -> None:
             if agent is not None and failed is not None and self._refusal(agent, consumer_side=True):
-                failed("layout_mismatch")
+                failed(LAYOUT_MISMATCH)
             elif not self._send(agent, payload, err):
                 if agent is not None and not retried:
                     self.metrics.record("handshakes", 1, "retried")

@@ -1,10 +1,11 @@
 """Metrics step: the `kvferry_` Prometheus metrics (documented one by one in docs/metrics.md).
 
-One table (`SPECS`) defines every metric. `Metrics` records into prometheus_client objects in its
-own registry (tests, demo, benchmark) and, when asked, into a journal of updates. Inside vLLM the
-worker process cannot serve /metrics, so the worker ships its journal through vLLM's connector stats
-(`KvferryStats`, connector.py) and the API server replays it with `apply()` onto metrics created
-with vLLM's own metric classes and labels (`build()` with `extra_labels`).
+One table (`SPECS`) defines every metric; names come from kvferry.contracts.metrics, which the operator
+reads too. `Metrics` records into prometheus_client objects in its own registry (tests, demo,
+benchmark) and, when asked, into a journal of updates. Inside vLLM the worker process cannot serve
+/metrics, so the worker ships its journal through vLLM's connector stats (`KvferryStats`,
+connector.py) and the API server replays it with `apply()` onto metrics created with vLLM's own
+metric classes and labels (`build()` with `extra_labels`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.contracts import metrics as names
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -32,21 +34,21 @@ SPECS = (
     Spec(
         "transfers",
         Counter,
-        "kvferry_transfers",
+        names.TRANSFERS,
         "Completed KV transfers (producer: WRITEs to one consumer rank; consumer: requests fully received)",
         ("role",),
     ),
     Spec(
         "failures",
         Counter,
-        "kvferry_transfer_failures",
+        names.TRANSFER_FAILURES,
         "KV transfers that failed, by reason",
-        ("role", "reason"),
+        ("role", names.REASON),
     ),
     Spec(
         "rejected",
         Counter,
-        "kvferry_rejected_messages",
+        names.REJECTED_MESSAGES,
         "Inputs ignored and not acted on (malformed, "
         "unknown request, duplicate, superseded, unexpected engine, ...)",
         ("role", "reason"),
@@ -54,14 +56,14 @@ SPECS = (
     Spec(
         "bytes",
         Counter,
-        "kvferry_transfer_bytes",
+        names.TRANSFER_BYTES,
         "Bytes moved by completed WRITEs, by the NIXL backend that moved them",
-        ("role", "backend"),
+        ("role", names.BACKEND),
     ),
     Spec(
         "descriptors",
         Histogram,
-        "kvferry_descriptors_per_transfer",
+        names.DESCRIPTORS_PER_TRANSFER,
         "NIXL descriptors per WRITE",
         ("mode",),
         _COUNTS,
@@ -69,7 +71,7 @@ SPECS = (
     Spec(
         "prep_seconds",
         Histogram,
-        "kvferry_descriptor_prep_seconds",
+        names.DESCRIPTOR_PREP_SECONDS,
         "Time to map blocks and build the descriptors of one WRITE",
         ("mode",),
         _SECONDS,
@@ -77,7 +79,7 @@ SPECS = (
     Spec(
         "reg_to_match",
         Histogram,
-        "kvferry_registration_to_match_seconds",
+        names.REGISTRATION_TO_MATCH_SECONDS,
         "Producer: how long a finished prefill waited for its registration (0: the registration came first)",
         (),
         _SECONDS,
@@ -85,7 +87,7 @@ SPECS = (
     Spec(
         "match_to_done",
         Histogram,
-        "kvferry_match_to_done_seconds",
+        names.MATCH_TO_DONE_SECONDS,
         "Producer: WRITE start to completion",
         (),
         _SECONDS,
@@ -93,7 +95,7 @@ SPECS = (
     Spec(
         "handoffs",
         Counter,
-        "kvferry_prefill_handoffs",
+        names.PREFILL_HANDOFFS,
         "Producer: prefill legs handed to the endpoint to push, by when "
         "(after_forward: right after the forward that wrote their KV; finished: from request_finished)",
         ("when",),
@@ -101,7 +103,7 @@ SPECS = (
     Spec(
         "receive_wait",
         Histogram,
-        "kvferry_receive_wait_seconds",
+        names.RECEIVE_WAIT_SECONDS,
         "Consumer: expectation to all KV received",
         (),
         _SECONDS,
@@ -109,17 +111,17 @@ SPECS = (
     Spec(
         "pending",
         Gauge,
-        "kvferry_pending",
+        names.PENDING,
         "Entries in the connector's bounded maps",
         ("role", "kind", "tp_rank"),
     ),
-    Spec("handshakes", Counter, "kvferry_handshakes", "Side-channel peer metadata fetches", ("result",)),
+    Spec("handshakes", Counter, names.HANDSHAKES, "Side-channel peer metadata fetches", ("result",)),
     Spec(
         "preflight",
         Gauge,
-        "kvferry_preflight_ok",
+        names.PREFLIGHT_OK,
         "1 if a start-up check passed (NIXL backend created, EFA device present for LIBFABRIC), else 0",
-        ("check",),
+        (names.CHECK,),
     ),
 )
 

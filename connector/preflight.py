@@ -15,6 +15,8 @@ from pathlib import Path
 
 from kvferry.connector.config import ConfigError, KvferryConfig
 from kvferry.connector.metrics import Metrics
+from kvferry.contracts import termination
+from kvferry.contracts.metrics import CHECK_BACKEND, CHECK_UCX_ON_EFA
 
 SYS_INFINIBAND = Path("/sys/class/infiniband")
 
@@ -54,14 +56,14 @@ def efa_checks(backends: list[str], efa_root: Path = SYS_INFINIBAND) -> list[Che
         why = (
             f"EFA devices {efa} present but backends={backends}: UCX falls back to TCP on EFA; use LIBFABRIC"
         )
-        return [Check("ucx_on_efa", False, why)]
+        return [Check(CHECK_UCX_ON_EFA, False, why)]
     return []
 
 
 def backend_checks(created: list[str], wanted: list[str]) -> list[Check]:
     """One check per wanted backend: did the NIXL agent create it?"""
     return [
-        Check(f"backend_{b}", b in created, f"plugin {b} {'loaded' if b in created else 'not created'}")
+        Check(CHECK_BACKEND + b, b in created, f"plugin {b} {'loaded' if b in created else 'not created'}")
         for b in wanted
     ]
 
@@ -82,13 +84,13 @@ def _backend_checks(api, backends: list[str]) -> list[Check]:
     out = []
     for backend in backends:
         if backend not in plugins:
-            out.append(Check(f"backend_{backend}", False, f"plugin {backend} not found (have {plugins})"))
+            out.append(Check(CHECK_BACKEND + backend, False, f"plugin {backend} not found (have {plugins})"))
             continue
         try:
             agent.create_backend(backend, {})
-            out.append(Check(f"backend_{backend}", True, f"plugin {backend} loaded"))
+            out.append(Check(CHECK_BACKEND + backend, True, f"plugin {backend} loaded"))
         except Exception as exc:
-            out.append(Check(f"backend_{backend}", False, f"plugin {backend} failed to start: {exc}"))
+            out.append(Check(CHECK_BACKEND + backend, False, f"plugin {backend} failed to start: {exc}"))
     return out
 
 
@@ -99,15 +101,12 @@ def record(checks: list[Check], metrics: Metrics) -> None:
 
 
 TERMINATION_LOG = Path("/dev/termination-log")
-# The operator recognises a failed start-up preflight by this prefix in a container's termination
-# message (operator/status/podchecks.py); keep the two in step.
-FAILED_PREFIX = "kvferry preflight failed: "
 
 
-def failure_message(checks: list[Check], limit: int = 4000) -> str:
-    """One line naming every failed check, short enough for a termination message (4 KiB max)."""
+def failure_message(checks: list[Check], limit: int = termination.MAX_CHARS) -> str:
+    """One line naming every failed check, with the prefix the operator recognises (podchecks.py)."""
     failed = "; ".join(f"{c.name}: {c.detail}" for c in checks if not c.ok)
-    return (FAILED_PREFIX + failed)[:limit]
+    return (termination.PREFLIGHT_FAILED + failed)[:limit]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,22 +1,22 @@
 """Names step: label keys, annotation keys and object-name helpers shared by render, apply and status.
 
-Every key the operator writes lives here, each with a comment saying what it is applied to.
+Every key the operator writes lives here, each with a comment saying what it is applied to; the keys
+other parts read come from kvferry.contracts.labels.
 """
 
 from __future__ import annotations
 
 import hashlib
 
+from kvferry.contracts import labels
+
 GROUP = "kvferry.io"
 FIELD_MANAGER = "kvferry"  # the one server-side-apply field manager for everything the operator writes
 
-# Applied to every rendered object and pod template: the owning DisaggregatedInference's name.
-LABEL_NAME = "kvferry.io/name"
-# Applied to every rendered object and pod: prefill | decode | router.
-LABEL_ROLE = "kvferry.io/role"
-# Applied to both roles' pod templates and StatefulSets: hash of everything P and D must agree on.
-# The router pairs only pods with equal values (docs/contracts.md §2).
-LABEL_REVISION = "kvferry.io/revision"
+# Keys the router and connector rely on too: defined, with what each is applied to, in contracts/labels.py.
+LABEL_NAME = labels.NAME
+LABEL_ROLE = labels.ROLE
+LABEL_REVISION = labels.REVISION
 # Applied to every rendered object: lets the operator watch only what it made.
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "kvferry"

@@ -14,7 +14,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.contracts.pods import PORT_HTTP, PORT_SIDE_CHANNEL
 from kvferry.router.config import Endpoint, KubernetesDiscoveryConfig
+
+NAMED_PORTS = (PORT_HTTP, PORT_SIDE_CHANNEL)  # as the operator names them (docs/contracts.md §3)
 
 log = logging.getLogger(__name__)
 # Every API call is bounded: without a timeout a hung API server would hold the discovery thread,
@@ -64,9 +67,9 @@ def endpoints_from_slices(
     found: dict[str, Endpoint] = {}
     for eps in slices:
         ports = {p.get("name"): p.get("port") for p in eps.get("ports") or []}
-        http_port, side_port = ports.get("http"), ports.get("side-channel")
+        http_port, side_port = (ports.get(name) for name in NAMED_PORTS)
         if not http_port or not side_port:
-            log.warning("EndpointSlice %s lacks ports named http and side-channel", _name(eps))
+            log.warning("EndpointSlice %s lacks ports named %s and %s", _name(eps), *NAMED_PORTS)
             continue
         for ep in eps.get("endpoints") or []:
             ready = (ep.get("conditions") or {}).get("ready")

@@ -3,11 +3,10 @@
 The operator runs this as an init container from its own image (`kvferry.connectorSource: inject`) into
 an emptyDir that the vLLM container gets on PYTHONPATH, so users need not rebuild their vLLM image.
 Copied: the `kvferry.connector` and `kvferry.contracts` packages (namespace portions: no
-`kvferry/__init__.py`; nothing else of kvferry runs inside vLLM)
-and msgpack's pure-Python files, because vLLM depends on msgspec, not msgpack. Compiled extensions are
-never copied: the operator image's Python ABI need not match the vLLM image's, and msgpack falls back
-to its pure-Python implementation when `_cmsgpack` is absent. NIXL, numpy, prometheus_client and vLLM
-come from the vLLM image; `kvferry preflight --startup` checks them when the pod starts.
+`kvferry/__init__.py`; nothing else of kvferry runs inside vLLM), their .py files only: compiled files
+would tie the copy to the operator image's Python ABI. Everything they import besides comes from the
+vLLM image: NIXL, numpy, prometheus_client, vLLM, and msgspec (a vLLM dependency; the wire format uses
+it); `kvferry preflight --startup` checks them when the pod starts.
 """
 
 from __future__ import annotations
@@ -18,16 +17,16 @@ import json
 import shutil
 from pathlib import Path
 
+from kvferry.contracts import termination
+
 # (import name, where it lands under DIR). The connector keeps its dotted path so
 # `kv_connector_module_path: kvferry.connector` resolves unchanged.
 PACKAGES = (
     ("kvferry.connector", Path("kvferry/connector")),
     ("kvferry.contracts", Path("kvferry/contracts")),
-    ("msgpack", Path("msgpack")),
 )
 MANIFEST = "kvferry-inject.json"
 TERMINATION_LOG = Path("/dev/termination-log")
-FAILED_PREFIX = "kvferry inject failed: "
 
 
 class InjectError(RuntimeError):
@@ -89,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         args.to.mkdir(parents=True, exist_ok=True)
         counts = inject(args.to)
     except (InjectError, OSError) as exc:
-        message = f"{FAILED_PREFIX}{exc}"
+        message = f"{termination.INJECT_FAILED}{exc}"
         print(message)
         if args.termination_log:
-            args.termination_log.write_text(message[:4000])
+            args.termination_log.write_text(message[: termination.MAX_CHARS])
         return 1
     for module, n in counts.items():
         print(f"copied {module} ({n} files) to {args.to}")

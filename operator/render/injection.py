@@ -13,6 +13,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
+from kvferry.contracts import pods
 from kvferry.operator.render.presets import PodPlan
 from kvferry.operator.spec import Spec
 
@@ -34,7 +35,7 @@ def startup_script(backends: list[str]) -> str:
     preflight = [
         "python3",
         "-m",
-        "kvferry.connector.preflight",
+        pods.PREFLIGHT_MODULE,
         "--startup",
         "--backends",
         *backends,

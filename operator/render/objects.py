@@ -13,6 +13,7 @@ from typing import Any
 
 import jinja2
 import yaml
+from kvferry.contracts import pods, versions
 from kvferry.operator import names
 from kvferry.operator.render import injection, presets, security
 from kvferry.operator.render.presets import PodPlan, merge
@@ -31,10 +32,6 @@ TEMPLATES = (
     "router-service.yaml.j2",
     "networkpolicy.yaml.j2",
 )
-# The kvferry connector's wire protocol version (connector/wire.py PROTOCOL_VERSION), pinned in
-# docs/contracts.md §3: the operator may not import connector code, so the contract holds the number
-# and tests/unit/operator/test_revision_covers_the_data_path.py checks all three agree.
-CONNECTOR_PROTOCOL_VERSION = 4
 ROLE_TEMPLATES = {"service-headless.yaml.j2", "statefulset.yaml.j2", "pdb.yaml.j2"}
 
 _env = jinja2.Environment(
@@ -79,7 +76,7 @@ def revision_of(spec: Spec, plans: dict[str, PodPlan], injector_image: str) -> s
         "vllm": {**asdict(spec.vllm), "block_size": presets.block_size(spec)},  # effective, not as written
     }
     if spec.kv_transfer.connector == "kvferry":
-        shared["protocol"] = CONNECTOR_PROTOCOL_VERSION
+        shared["protocol"] = versions.WIRE_PROTOCOL_VERSION  # the connector's wire protocol
     if spec.kv_transfer.connector_source == "inject":
         shared["injector"] = injector_image
     return names.short_hash(json.dumps(shared, sort_keys=True))
@@ -104,8 +101,8 @@ def kv_transfer_config(spec: Spec, role: str, plan: PodPlan, revision: str = "")
             "revision": revision,  # the connector rejects peers of another revision
         }
         return {
-            "kv_connector": "KvferryConnector",
-            "kv_connector_module_path": "kvferry.connector",
+            "kv_connector": pods.CONNECTOR_CLASS,
+            "kv_connector_module_path": pods.CONNECTOR_MODULE,
             **base,
             "kv_connector_extra_config": extra,
         }

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvferry.contracts import termination
 from kvferry.operator import names
 from kvferry.operator.status.conditions import Reason
 
-# Prefixes written by connector/preflight.py (FAILED_PREFIX) and tools/inject.py (FAILED_PREFIX);
-# the operator image does not import the connector's NIXL-facing modules, so they are repeated here.
+# The prefixes connector/preflight.py and tools/inject.py write (kvferry.contracts.termination).
 MARKERS = (
-    ("kvferry preflight failed: ", Reason.PREFLIGHT_FAILED),
-    ("kvferry inject failed: ", Reason.INJECT_FAILED),
+    (termination.PREFLIGHT_FAILED, Reason.PREFLIGHT_FAILED),
+    (termination.INJECT_FAILED, Reason.INJECT_FAILED),
 )
 MAX_MESSAGE = 600  # condition messages stay readable in `kubectl describe`
 

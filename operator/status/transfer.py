@@ -1,7 +1,8 @@
 """Transfer-metrics step: connector/vLLM Prometheus text -> transfer summary + TransferHealthy (pure).
 
-Metric names live in the constants below only, so renaming a connector metric is a one-line change.
-The status timer (reconcile.py) fetches each engine pod's /metrics and hands the texts here.
+The connector's metric names, labels and label values come from kvferry.contracts.metrics, the
+constants the connector exports by; vLLM's are named below. The status timer (reconcile.py) fetches
+each engine pod's /metrics and hands the texts here.
 """
 
 from __future__ import annotations
@@ -10,24 +11,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvferry.contracts import metrics as m
 from kvferry.operator.status.conditions import Reason
 from prometheus_client.parser import text_string_to_metric_families
 
 # Counted on the producer (prefill) pods, which issue the writes; the vLLM names are the upstream
-# NixlConnector's, used when connector=vllm.
-TRANSFERS = ("kvferry_transfers_total", "vllm:nixl_xfer_time_seconds_count")
-FAILURES = ("kvferry_transfer_failures_total", "vllm:nixl_num_failed_transfers_total")
+# NixlConnector's, used when connector=vllm. kvferry names: kvferry.contracts.metrics.
+TRANSFERS = (m.total(m.TRANSFERS), "vllm:nixl_xfer_time_seconds_count")
+FAILURES = (m.total(m.TRANSFER_FAILURES), "vllm:nixl_num_failed_transfers_total")
 # Transfer time: the connector's producer-side match-to-WRITE-done histogram (docs/metrics.md).
-HISTOGRAMS = ("kvferry_match_to_done_seconds", "kvferry_transfer_seconds", "vllm:nixl_xfer_time_seconds")
+HISTOGRAMS = (m.MATCH_TO_DONE_SECONDS, "vllm:nixl_xfer_time_seconds")
 # On decode pods: where prompt tokens came from (computed locally vs received as KV).
 TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 LOCAL, EXTERNAL = "local_compute", "external_kv_transfer"
-BACKEND_LABEL = "backend"  # any kvferry_* sample carrying it names the NIXL backend in use
-# The connector's start-up preflight: kvferry_preflight_ok{check="backend_UCX"} 1 names a loaded backend;
-# check="ucx_on_efa" 0 means UCX was chosen on a host with EFA devices.
-PREFLIGHT = "kvferry_preflight_ok"
-UCX_ON_EFA_CHECK = "ucx_on_efa"
-FAILURE_REASON_LABEL = "reason"
 # Decode computing more than this share of prompt tokens itself means KV is not arriving.
 RECOMPUTE_SHARE = 0.5
 
@@ -52,20 +48,20 @@ def parse(text: str) -> Sample:
     out = Sample()
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name.startswith("kvferry_") and BACKEND_LABEL in s.labels:
-                out.backends.add(s.labels[BACKEND_LABEL])
-            if s.name == PREFLIGHT:
-                check = s.labels.get("check", "")
-                if check.startswith("backend_") and s.value == 1:
-                    out.backends.add(check.removeprefix("backend_"))
-                out.ucx_on_efa |= check == UCX_ON_EFA_CHECK and s.value == 0
-                if s.value == 0 and check != UCX_ON_EFA_CHECK:
+            if s.name.startswith("kvferry_") and m.BACKEND in s.labels:
+                out.backends.add(s.labels[m.BACKEND])
+            if s.name == m.PREFLIGHT_OK:  # start-up checks: backend_<NAME> 1 names a loaded backend
+                check = s.labels.get(m.CHECK, "")
+                if check.startswith(m.CHECK_BACKEND) and s.value == 1:
+                    out.backends.add(check.removeprefix(m.CHECK_BACKEND))
+                out.ucx_on_efa |= check == m.CHECK_UCX_ON_EFA and s.value == 0
+                if s.value == 0 and check != m.CHECK_UCX_ON_EFA:
                     out.failed_checks.add(check)
             elif s.name in TRANSFERS:
                 out.transfers += s.value
             elif s.name in FAILURES:
                 out.failures += s.value
-                reason = s.labels.get(FAILURE_REASON_LABEL, "unknown")
+                reason = s.labels.get(m.REASON, "unknown")
                 out.failures_by_reason[reason] = out.failures_by_reason.get(reason, 0) + s.value
             elif s.name in {h + "_bucket" for h in HISTOGRAMS}:
                 le = float(s.labels["le"])
@@ -128,7 +124,7 @@ def _increase(now: float, before: float) -> float:
 
 def layout_refusals(producer: Sample, consumer: Sample) -> float:
     """Transfers either side refused because the two KV layouts cannot be mapped."""
-    return sum(s.failures_by_reason.get("layout_mismatch", 0) for s in (producer, consumer))
+    return sum(s.failures_by_reason.get(m.LAYOUT_MISMATCH, 0) for s in (producer, consumer))
 
 
 def health(

@@ -13,9 +13,9 @@ import json
 from typing import Any
 
 import yaml
+from kvferry.contracts import versions
 from kvferry.operator import names, reconcile
 from kvferry.operator.config import OperatorConfig
-from kvferry.operator.render import objects as render_objects
 
 from tests.cluster.operator_fixtures import OPERATOR_NAMESPACE
 from tests.unit.operator.cases import make_inference
@@ -80,9 +80,8 @@ def test_revision_moves_with_the_injector_and_the_wire_protocol_only(
     _one_revision(upgraded, rev2)
     assert rev2 != rev1 and upgraded["prefill injector"] == upgraded["decode injector"] == NEW
 
-    # A connector whose wire protocol changed (the operator's copy of the version number).
-    bumped = render_objects.CONNECTOR_PROTOCOL_VERSION + 1
-    monkeypatch.setattr(render_objects, "CONNECTOR_PROTOCOL_VERSION", bumped)
+    # A connector whose wire protocol changed (the version in kvferry.contracts).
+    monkeypatch.setattr(versions, "WIRE_PROTOCOL_VERSION", versions.WIRE_PROTOCOL_VERSION + 1)
     rev3 = _reconcile(cluster, operator_kube, NEW)
     _one_revision(_stored(cluster), rev3)
     assert rev3 not in (rev1, rev2)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from kvferry.contracts import metrics as m
 
 from tests.unit.operator.cases import make_inference
 from tests.waiting import wait_until
@@ -15,19 +16,16 @@ from tests.waiting import wait_until
 
 def prometheus(transfers: int, failures: int, backend: str = "LIBFABRIC") -> str:
     buckets = [(0.01, transfers // 10), (0.05, transfers * 9 // 10), (0.1, transfers)]
+    hist = m.MATCH_TO_DONE_SECONDS
     lines = [
-        "# TYPE kvferry_transfers counter",
-        f'kvferry_transfers_total{{backend="{backend}"}} {transfers}',
-        "# TYPE kvferry_transfer_failures counter",
-        f'kvferry_transfer_failures_total{{reason="deadline"}} {failures}',
-        "# TYPE kvferry_transfer_seconds histogram",
+        f"# TYPE {m.TRANSFERS} counter",
+        f'{m.total(m.TRANSFERS)}{{{m.BACKEND}="{backend}"}} {transfers}',
+        f"# TYPE {m.TRANSFER_FAILURES} counter",
+        f'{m.total(m.TRANSFER_FAILURES)}{{{m.REASON}="deadline"}} {failures}',
+        f"# TYPE {hist} histogram",
     ]
-    lines += [f'kvferry_transfer_seconds_bucket{{le="{le}"}} {n}' for le, n in buckets]
-    lines += [
-        f'kvferry_transfer_seconds_bucket{{le="+Inf"}} {transfers}',
-        f"kvferry_transfer_seconds_count {transfers}",
-        "kvferry_transfer_seconds_sum 3.0",
-    ]
+    lines += [f'{hist}_bucket{{le="{le}"}} {n}' for le, n in buckets]
+    lines += [f'{hist}_bucket{{le="+Inf"}} {transfers}', f"{hist}_count {transfers}", f"{hist}_sum 3.0"]
     return "\n".join(lines) + "\n"
 
 

@@ -16,7 +16,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from kvferry.connector.preflight import FAILED_PREFIX
+from kvferry.contracts import termination
 
 TIMEOUT_S = 1200  # importing vLLM in a fresh interpreter: 20 s of CPU, ~7 min wall on the loaded host
 
@@ -52,14 +52,14 @@ def injected(tmp_path_factory) -> Path:
         [_kvferry(), "inject", "--to", str(dest)], capture_output=True, text=True, timeout=60
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "copied kvferry.connector" in res.stdout and "copied msgpack" in res.stdout
+    assert "copied kvferry.connector" in res.stdout and "copied kvferry.contracts" in res.stdout
     return dest
 
 
 def test_inject_copies_pure_python_only(injected: Path) -> None:
     assert not (injected / "kvferry" / "__init__.py").exists(), "kvferry must stay a namespace package"
     assert (injected / "kvferry" / "connector" / "connector.py").is_file()
-    assert (injected / "msgpack" / "fallback.py").is_file()
+    assert sorted(p.name for p in injected.iterdir()) == ["kvferry", "kvferry-inject.json"]  # nothing else
     compiled = [p for p in injected.rglob("*") if p.suffix in (".so", ".pyc")]
     assert compiled == [], f"compiled files would tie the copy to one Python ABI: {compiled}"
 
@@ -69,19 +69,17 @@ def test_inject_copies_pure_python_only(injected: Path) -> None:
 def test_injected_connector_imports_and_passes_startup_preflight(injected: Path, tmp_path: Path) -> None:
     log = tmp_path / "termination-log"
     code = """
-import kvferry.connector, msgpack, msgpack.fallback
+import kvferry.connector, msgspec
 from kvferry.connector.connector import KvferryConnector
 from kvferry.connector import wire
-print("FILES", kvferry.connector.__file__, msgpack.__file__, msgpack.Packer.__module__,
-      KvferryConnector.__mro__[1].__module__)
+print("FILES", kvferry.connector.__file__, msgspec.__file__, KvferryConnector.__mro__[1].__module__)
 """
     res = _clean_python([injected], code + _startup_preflight(log))
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     files = next(line for line in res.stdout.splitlines() if line.startswith("FILES "))
-    conn_file, msgpack_file, packer_module, base_module = files.split()[1:]
+    conn_file, msgspec_file, base_module = files.split()[1:]
     assert conn_file.startswith(str(injected)), conn_file
-    assert msgpack_file.startswith(str(injected)), msgpack_file
-    assert packer_module == "msgpack.fallback"  # no compiled extension was copied
+    assert msgspec_file.startswith(sysconfig.get_paths()["purelib"]), msgspec_file  # vLLM's own msgspec
     assert base_module.startswith("vllm."), base_module
     for check in ("vllm_version", "nixl_version", "vllm_glue", "backend_UCX"):
         assert f"ok   {check}" in res.stdout, res.stdout
@@ -115,7 +113,8 @@ def test_startup_preflight_refuses_an_old_image(injected, tmp_path, vllm, nixl, 
     assert res.returncode == 1, res.stdout + res.stderr[-2000:]
     assert f"FAIL {check}" in res.stdout
     message = log.read_text()
-    assert message.startswith(FAILED_PREFIX) and f"{check}: " in message and text in message, message
+    assert message.startswith(termination.PREFLIGHT_FAILED), message
+    assert f"{check}: " in message and text in message, message
 
 
 def test_inject_failure_names_the_problem(tmp_path: Path) -> None:
@@ -129,4 +128,4 @@ def test_inject_failure_names_the_problem(tmp_path: Path) -> None:
         timeout=60,
     )
     assert res.returncode == 1
-    assert log.read_text().startswith("kvferry inject failed: ") and str(blocker) in log.read_text()
+    assert log.read_text().startswith(termination.INJECT_FAILED) and str(blocker) in log.read_text()

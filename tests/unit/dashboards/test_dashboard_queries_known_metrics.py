@@ -8,6 +8,8 @@ import json
 import re
 from pathlib import Path
 
+from kvferry.connector.metrics import SPECS
+
 ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = json.loads((ROOT / "dashboards" / "kvferry.json").read_text())
 METRIC = re.compile(r"\b(kvferry_[a-z_]+|vllm:[a-z_]+)")
@@ -31,8 +33,7 @@ def documented() -> set[str]:
 
 
 def exported_by_connector() -> set[str]:
-    sources = "".join(p.read_text() for p in (ROOT / "connector").rglob("*.py"))
-    return set(re.findall(r'"(kvferry_[a-z_]+)"', sources))
+    return {spec.name for spec in SPECS}
 
 
 def exported_by_vllm() -> set[str]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from kvferry.connector.preflight import Check, failure_message
+from kvferry.contracts import termination
 from kvferry.operator.status import podchecks, remedies
 from kvferry.operator.status.conditions import Reason
 
@@ -54,7 +56,9 @@ def _status(
     return {"name": name, "state": {"terminated": terminated}}
 
 
-PREFLIGHT = "kvferry preflight failed: nixl_version: NIXL 1.4.2 is older than 1.5"
+# As the connector's start-up preflight and `kvferry inject` write them.
+PREFLIGHT = failure_message([Check("nixl_version", False, "NIXL 1.4.2 is older than 1.5")])
+INJECT = termination.INJECT_FAILED + "No space left on device"
 
 
 def test_crashlooping_preflight_is_named_with_its_pods() -> None:
@@ -68,7 +72,7 @@ def test_crashlooping_preflight_is_named_with_its_pods() -> None:
 
 
 def test_failed_inject_init_container_is_named() -> None:
-    init = _status("kvferry-inject", message="kvferry inject failed: No space left on device", last=False)
+    init = _status("kvferry-inject", message=INJECT, last=False)
     reason, message = podchecks.start_failure([_pod("m-prefill-0", "prefill", init=[init])])
     assert reason == Reason.INJECT_FAILED and "m-prefill-0/kvferry-inject" in message
 

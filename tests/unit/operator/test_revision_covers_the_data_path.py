@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvferry.operator.render import objects as render_mod
+from kvferry.contracts import versions
 from kvferry.operator.render.objects import render
 
 from tests.unit.operator.cases import make_inference
@@ -34,7 +34,7 @@ def test_revision_moves_with_the_wire_protocol_version(monkeypatch) -> None:
     cr = make_inference("p").obj()
     upstream = make_inference("u", accelerator="p5").kv(connector="vllm").obj()  # no kvferry wire
     before = render(cr).revision, render(upstream).revision
-    monkeypatch.setattr(render_mod, "CONNECTOR_PROTOCOL_VERSION", render_mod.CONNECTOR_PROTOCOL_VERSION + 1)
+    monkeypatch.setattr(versions, "WIRE_PROTOCOL_VERSION", versions.WIRE_PROTOCOL_VERSION + 1)
     assert render(cr).revision != before[0]
     assert render(upstream).revision == before[1]
 
@@ -44,4 +44,4 @@ def test_protocol_version_agrees_with_the_connector_and_the_contract() -> None:
 
     pinned = re.search(r"Connector wire protocol version: \*\*(\d+)\*\*", CONTRACTS.read_text())
     assert pinned, "docs/contracts.md §3 must pin the connector wire protocol version"
-    assert int(pinned.group(1)) == render_mod.CONNECTOR_PROTOCOL_VERSION == PROTOCOL_VERSION
+    assert int(pinned.group(1)) == versions.WIRE_PROTOCOL_VERSION == PROTOCOL_VERSION

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from kvferry.contracts import metrics as m
 from kvferry.operator.status import transfer as tm
 from kvferry.operator.status.conditions import Reason
+
+HIST = m.MATCH_TO_DONE_SECONDS
+GAUGE = f'# TYPE {m.PREFLIGHT_OK} gauge\n{m.PREFLIGHT_OK}{{{m.CHECK}="%s"}} %d\n'
 
 
 def metrics(
@@ -17,19 +21,19 @@ def metrics(
     refused: int = 0,
 ) -> str:
     lines = [
-        "# TYPE kvferry_transfers counter",
-        f'kvferry_transfers_total{{backend="{backend}"}} {transfers}',
-        "# TYPE kvferry_transfer_failures counter",
-        f'kvferry_transfer_failures_total{{reason="timeout"}} {failures}',
-        f'kvferry_transfer_failures_total{{reason="layout_mismatch"}} {refused}',
-        "# TYPE kvferry_transfer_seconds histogram",
+        f"# TYPE {m.TRANSFERS} counter",
+        f'{m.total(m.TRANSFERS)}{{{m.BACKEND}="{backend}"}} {transfers}',
+        f"# TYPE {m.TRANSFER_FAILURES} counter",
+        f'{m.total(m.TRANSFER_FAILURES)}{{{m.REASON}="timeout"}} {failures}',
+        f'{m.total(m.TRANSFER_FAILURES)}{{{m.REASON}="{m.LAYOUT_MISMATCH}"}} {refused}',
+        f"# TYPE {HIST} histogram",
     ]
     for le, count in buckets:
-        lines.append(f'kvferry_transfer_seconds_bucket{{le="{le}"}} {count * transfers // 100}')
+        lines.append(f'{HIST}_bucket{{le="{le}"}} {count * transfers // 100}')
     lines += [
-        f'kvferry_transfer_seconds_bucket{{le="+Inf"}} {transfers}',
-        f"kvferry_transfer_seconds_count {transfers}",
-        "kvferry_transfer_seconds_sum 1.0",
+        f'{HIST}_bucket{{le="+Inf"}} {transfers}',
+        f"{HIST}_count {transfers}",
+        f"{HIST}_sum 1.0",
         "# TYPE vllm:prompt_tokens_by_source counter",
         f'vllm:prompt_tokens_by_source_total{{source="local_compute"}} {local}',
         f'vllm:prompt_tokens_by_source_total{{source="external_kv_transfer"}} {external}',
@@ -85,10 +89,7 @@ def test_quantile_interpolates_inside_buckets(q: float, expected: float) -> None
 
 
 def test_connector_preflight_names_the_backend_and_flags_ucx_on_efa() -> None:
-    text = (
-        '# TYPE kvferry_preflight_ok gauge\nkvferry_preflight_ok{check="backend_UCX"} 1\n'
-        'kvferry_preflight_ok{check="ucx_on_efa"} 0\n'
-    )
+    text = GAUGE % (m.CHECK_BACKEND + "UCX", 1) + GAUGE % (m.CHECK_UCX_ON_EFA, 0)
     sample = tm.parse(text)
     assert sample.backends == {"UCX"} and sample.ucx_on_efa
     assert _run([metrics(5) + text], [], efa=False)[1][1] == Reason.WRONG_BACKEND
@@ -96,21 +97,20 @@ def test_connector_preflight_names_the_backend_and_flags_ucx_on_efa() -> None:
 
 def test_the_connectors_transfer_histogram_feeds_the_quantiles() -> None:
     text = (
-        "# TYPE kvferry_match_to_done_seconds histogram\n"
-        'kvferry_match_to_done_seconds_bucket{le="0.01"} 50\n'
-        'kvferry_match_to_done_seconds_bucket{le="0.1"} 100\n'
-        'kvferry_match_to_done_seconds_bucket{le="+Inf"} 100\n'
-        "kvferry_match_to_done_seconds_count 100\nkvferry_match_to_done_seconds_sum 1\n"
-        '# TYPE kvferry_transfers counter\nkvferry_transfers_total{role="producer"} 100\n'
+        f"# TYPE {HIST} histogram\n"
+        f'{HIST}_bucket{{le="0.01"}} 50\n'
+        f'{HIST}_bucket{{le="0.1"}} 100\n'
+        f'{HIST}_bucket{{le="+Inf"}} 100\n'
+        f"{HIST}_count 100\n{HIST}_sum 1\n"
+        f'# TYPE {m.TRANSFERS} counter\n{m.total(m.TRANSFERS)}{{role="producer"}} 100\n'
     )
     summary, _ = _run([text], [])
     assert summary["p50Seconds"] == pytest.approx(0.01) and summary["transfers"] == 100
 
 
 def test_a_failed_start_up_check_makes_transfers_unhealthy_naming_role_and_check() -> None:
-    gauge = '# TYPE kvferry_preflight_ok gauge\nkvferry_preflight_ok{check="%s"} %d\n'
-    ok = metrics(10) + gauge % ("backend_LIBFABRIC", 1) + gauge % ("efa_device", 1)
-    no_efa = metrics(10) + gauge % ("backend_LIBFABRIC", 1) + gauge % ("efa_device", 0)
+    ok = metrics(10) + GAUGE % (m.CHECK_BACKEND + "LIBFABRIC", 1) + GAUGE % ("efa_device", 1)
+    no_efa = metrics(10) + GAUGE % (m.CHECK_BACKEND + "LIBFABRIC", 1) + GAUGE % ("efa_device", 0)
     assert _run([ok], [ok])[1][:2] == ("True", Reason.TRANSFERS_OK)
     status, reason, message = _run([ok], [no_efa])[1]
     assert (status, reason) == ("False", Reason.PREFLIGHT_FAILED)

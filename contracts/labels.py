@@ -1,0 +1,16 @@
+"""Label keys on what the operator renders, read by the router and the connector (contracts.md §3).
+
+The operator writes them (operator/names.py re-exports them beside its own keys); the router pairs
+prefill and decode by REVISION; the connector rejects peers whose revision (the same value, passed in
+kv_connector_extra_config) differs.
+"""
+
+from __future__ import annotations
+
+# Every rendered object and pod: the owning DisaggregatedInference's name.
+NAME = "kvferry.io/name"
+# Every rendered object and pod: prefill | decode | router (and the other parts' own names).
+ROLE = "kvferry.io/role"
+# Both roles' pod templates and StatefulSets: hash of everything P and D must agree on. The router
+# pairs only pods with equal values (its discovery config `revision_label` defaults to this).
+REVISION = "kvferry.io/revision"

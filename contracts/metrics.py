@@ -1,0 +1,38 @@
+"""The connector's `kvferry_*` metric names, and the labels and values others read from them.
+
+The connector exports them on vLLM's /metrics (connector/metrics.py); the operator's status timer
+(operator/status/transfer.py), the dashboard (dashboards/kvferry.json) and the tools read them; each is
+documented in docs/metrics.md. Names are prometheus_client family names: a counter's samples end in
+`_total` (`total()`), a histogram's in `_bucket`, `_sum` and `_count`.
+"""
+
+from __future__ import annotations
+
+TRANSFERS = "kvferry_transfers"
+TRANSFER_FAILURES = "kvferry_transfer_failures"
+REJECTED_MESSAGES = "kvferry_rejected_messages"
+TRANSFER_BYTES = "kvferry_transfer_bytes"
+DESCRIPTORS_PER_TRANSFER = "kvferry_descriptors_per_transfer"
+DESCRIPTOR_PREP_SECONDS = "kvferry_descriptor_prep_seconds"
+REGISTRATION_TO_MATCH_SECONDS = "kvferry_registration_to_match_seconds"
+MATCH_TO_DONE_SECONDS = "kvferry_match_to_done_seconds"  # producer: WRITE start to done
+PREFILL_HANDOFFS = "kvferry_prefill_handoffs"
+RECEIVE_WAIT_SECONDS = "kvferry_receive_wait_seconds"
+PENDING = "kvferry_pending"
+HANDSHAKES = "kvferry_handshakes"
+PREFLIGHT_OK = "kvferry_preflight_ok"
+
+# Labels the operator reads.
+BACKEND = "backend"  # on any kvferry_* sample: the NIXL backend that moved the bytes
+REASON = "reason"  # on TRANSFER_FAILURES
+CHECK = "check"  # on PREFLIGHT_OK
+
+# Label values the operator acts on.
+LAYOUT_MISMATCH = "layout_mismatch"  # TRANSFER_FAILURES reason: P's and D's KV layouts cannot be mapped
+CHECK_BACKEND = "backend_"  # PREFLIGHT_OK check prefix + NIXL backend name: 1 when its plugin loaded
+CHECK_UCX_ON_EFA = "ucx_on_efa"  # PREFLIGHT_OK check: 0 when UCX was chosen on a host with EFA devices
+
+
+def total(name: str) -> str:
+    """The sample name of a counter family."""
+    return f"{name}_total"

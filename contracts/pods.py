@@ -1,0 +1,16 @@
+"""What the operator renders into engine pods that the router and the connector rely on (contracts.md §3).
+
+Port names are read by the router's EndpointSlice discovery; the module paths are what vLLM and the
+pod's start-up step import from the connector (`kvferry inject` keeps them resolvable in stock images).
+"""
+
+from __future__ import annotations
+
+PORT_HTTP = "http"  # vLLM's OpenAI server (8000)
+PORT_SIDE_CHANNEL = "side-channel"  # the connector's agent-metadata side channel (5600 + TP rank)
+
+# --kv-transfer-config: vLLM imports CONNECTOR_MODULE and takes CONNECTOR_CLASS from it.
+CONNECTOR_CLASS = "KvferryConnector"
+CONNECTOR_MODULE = "kvferry.connector"
+# `python3 -m PREFLIGHT_MODULE --startup` runs before vLLM in inject mode.
+PREFLIGHT_MODULE = "kvferry.connector.preflight"
