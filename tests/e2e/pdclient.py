@@ -8,6 +8,7 @@ import uuid
 from typing import Any
 
 import httpx
+from kvferry.contracts.params import ConsumerParams, ProducerParams
 
 MAX_TOKENS = 16
 # Prompt lengths in tokens around the CPU block size (128) and its multiples, plus odd sizes.
@@ -31,26 +32,12 @@ def kvferry_legs(
     body: dict[str, Any], *, prefill_engine: str, prefill_side_port: int, decode_engine: str, attempt: int = 0
 ) -> tuple[dict, dict, str]:
     """(prefill body, decode body, request id) of one P/D request sent directly to the two engines,
-    as the router sends it (docs/contracts.md §1)."""
+    with the router's contract types (kvferry.contracts.params)."""
     rid = uuid.uuid4().hex
-    common = {"v": 1, "request_id": rid, "attempt": attempt, "deadline_s": 60.0}
-    prefill = {
-        **body,
-        "max_tokens": 1,
-        "stream": False,
-        "kv_transfer_params": {
-            "do_remote_decode": True,
-            "kvferry": {**common, "role": "producer", "consumer": {"engine_id": decode_engine}},
-        },
-    }
-    producer = {"engine_id": prefill_engine, "host": "127.0.0.1", "port": prefill_side_port, "tp_size": 1}
-    decode = {
-        **body,
-        "kv_transfer_params": {
-            "do_remote_prefill": True,
-            "kvferry": {**common, "role": "consumer", "producer": producer},
-        },
-    }
+    p = ProducerParams(rid, attempt, decode_engine, 60.0)
+    d = ConsumerParams(rid, attempt, prefill_engine, "127.0.0.1", prefill_side_port, 1, 60.0)
+    prefill = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": p.kv_transfer_params()}
+    decode = {**body, "kv_transfer_params": d.kv_transfer_params()}
     return prefill, decode, rid
 
 
