@@ -1,7 +1,7 @@
 """`kvferry` command line: a table of subcommands, each imported only when it runs.
 
 Lazy imports keep `kvferry router` usable in an image without kopf and `kvferry render` usable
-without vLLM, NIXL or torch.
+without vLLM, NIXL or torch; a command whose package an image leaves out (images/prune.py) says so.
 """
 
 from __future__ import annotations
@@ -52,7 +52,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvferry: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
-    entry = getattr(importlib.import_module(module), func)
+    try:
+        imported = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        # Each image holds only the packages its pods run (images/prune.py): say so, not a traceback.
+        if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
+            print(f"kvferry {name}: not in this installation ({exc.name} is not installed)", file=sys.stderr)
+            return 2
+        raise
+    entry = getattr(imported, func)
     result = entry(rest)
     return int(result or 0)
 

@@ -68,15 +68,16 @@ Name of the operator's ServiceAccount: the given name, else the full name when t
 {{- end }}
 
 {{/*
-Operator image reference: repository@digest when a digest is given, else repository:tag with the tag
-defaulting to the chart's appVersion.
+Operator image reference: <image.registry>/operator, then @digest when a digest is given, else :tag
+with the tag defaulting to the chart's appVersion (the names docker-bake.hcl pushes).
 */}}
 {{- define "kvferry.image" -}}
 {{- $img := .Values.operator.image }}
+{{- $repository := printf "%s/operator" (trimSuffix "/" .Values.image.registry) }}
 {{- if $img.digest }}
-{{- printf "%s@%s" $img.repository $img.digest }}
+{{- printf "%s@%s" $repository $img.digest }}
 {{- else }}
-{{- printf "%s:%s" $img.repository (default .Chart.AppVersion $img.tag) }}
+{{- printf "%s:%s" $repository (default .Chart.AppVersion $img.tag) }}
 {{- end }}
 {{- end }}
 

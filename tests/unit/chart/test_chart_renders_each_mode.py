@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from kvferry.operator import crdgen
+from kvferry.operator.render import images
 from kvferry.tools import generate, helm
 
 CHART = generate.ROOT / generate.CHART
@@ -165,6 +166,19 @@ def test_service_monitor_is_opt_in() -> None:
     )
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def test_one_registry_value_names_the_operator_router_and_engine_images() -> None:
+    def env(container: dict[str, Any]) -> dict[str, str]:
+        return {e["name"]: e.get("value") for e in container["env"]}
+
+    default = operator_container(render())
+    assert default["image"] == images.operator_image()
+    assert env(default)["KVFERRY_IMAGE_REGISTRY"] == images.DEFAULT_REGISTRY
+    moved = operator_container(render("image.registry=registry.example.com/team/kvferry"))
+    assert moved["image"] == images.operator_image("registry.example.com/team/kvferry")
+    assert env(moved)["KVFERRY_ROUTER_IMAGE"] == moved["image"]  # routers and injectors run it too
+    assert env(moved)["KVFERRY_IMAGE_REGISTRY"] == "registry.example.com/team/kvferry"
 
 
 def test_image_digest_wins_over_the_tag() -> None:

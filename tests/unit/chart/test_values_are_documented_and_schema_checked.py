@@ -120,6 +120,8 @@ def _used_via_parent(path: str) -> bool:
         ({"crds": {"keep": "yes"}}, "'yes' is not of type 'boolean'"),
         ({"operator": {"image": {"digest": "latest"}}}, "does not match"),
         ({"metrics": {"port": 70000}}, "70000 is greater than the maximum"),
+        ({"image": {"registry": "Registry.example.com/KV"}}, "does not match"),
+        ({"operator": {"image": {"repository": "x/operator"}}}, "Additional properties are not allowed"),
     ],
 )
 def test_schema_rejects_bad_values(override: dict[str, Any], needle: str) -> None:
