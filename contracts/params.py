@@ -148,8 +148,8 @@ def parse(
         peer = _object(block, "consumer")
         return ProducerParams(request_id, attempt, _get(peer, "engine_id", "consumer."), deadline)
     peer = _object(block, "producer")
-    fields = [_get(peer, key, "producer.") for key in ("engine_id", "host", "port", "tp_size")]
-    return ConsumerParams(request_id, attempt, *fields, deadline)
+    engine, host, port, tp = (_get(peer, k, "producer.") for k in ("engine_id", "host", "port", "tp_size"))
+    return ConsumerParams(request_id, attempt, engine, host, port, tp, deadline)
 
 
 def _common(p: ProducerParams | ConsumerParams) -> None:
