@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kvferry.operator.render.objects import DEFAULT_ROUTER_IMAGE, render
+from kvferry.operator.render import images
+from kvferry.operator.render.objects import render
 from kvferry.operator.spec import KIND, SpecError
 
 
@@ -26,7 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "files", nargs="+", help="YAML files with DisaggregatedInference objects ('-' = stdin)"
     )
-    parser.add_argument("--router-image", default=DEFAULT_ROUTER_IMAGE, help="image for the router pods")
+    parser.add_argument(
+        "--registry", default=images.DEFAULT_REGISTRY, help="registry of the kvferry images (image.registry)"
+    )
+    parser.add_argument("--router-image", default="", help="router image (default: the operator image)")
     parser.add_argument("--revision", action="store_true", help="print only each CR's revision hash")
     args = parser.parse_args(argv)
     out: list[dict[str, Any]] = []
@@ -42,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             name = doc.get("metadata", {}).get("name", "?")
             try:
-                rendered = render(doc, router_image=args.router_image)
+                rendered = render(doc, registry=args.registry, router_image=args.router_image)
             except SpecError as exc:
                 print(f"kvferry render: {source}: {name}: {exc}", file=sys.stderr)
                 return 2

@@ -15,11 +15,11 @@ import jinja2
 import yaml
 from kvferry.contracts import pods, versions
 from kvferry.operator import names
-from kvferry.operator.render import injection, presets, security
+from kvferry.operator.render import images, injection, presets, security
 from kvferry.operator.render.presets import PodPlan, merge
 from kvferry.operator.spec import GROUP, KIND, VERSION, Role, Spec, parse_spec
 
-DEFAULT_ROUTER_IMAGE = "ghcr.io/kvferry/operator:0.1.0"  # the operator image also holds the router
+DEFAULT_ROUTER_IMAGE = images.operator_image()  # the operator image also holds the router
 PRESTOP_SECONDS = 10
 GRACE_MARGIN_SECONDS = 15
 TEMPLATES = (
@@ -246,12 +246,16 @@ def owner_reference(cr: dict[str, Any]) -> dict[str, Any]:
 def render(
     cr: dict[str, Any],
     *,
-    router_image: str = DEFAULT_ROUTER_IMAGE,
+    registry: str = images.DEFAULT_REGISTRY,
+    router_image: str = "",
     observed_replicas: dict[str, int | None] | None = None,
     operator_namespace: str = security.OPERATOR_NAMESPACE,
 ) -> Rendered:
     """Desired objects for `cr`. Raises spec.SpecError for a spec the API server would reject.
 
+    registry: where kvferry's own images come from (presets' engine image, the default router image).
+    router_image: the router's (and injector's) image when the CR names none; empty = the operator
+    image in `registry`.
     observed_replicas: current StatefulSet replicas per role; used for roles whose replicas belong
     to an autoscaler, so the apply never moves them (None: StatefulSet absent, start at spec value).
     operator_namespace: where the operator runs (its pods are the engines' default metrics readers).
@@ -260,7 +264,8 @@ def render(
     cr_name, namespace = meta.get("name", ""), meta.get("namespace") or "default"
     spec = parse_spec(cr.get("spec"), cr_name)
     observed = observed_replicas or {}
-    plans = {role: merge(spec, role) for role in names.ROLES}
+    plans = {role: merge(spec, role, registry) for role in names.ROLES}
+    router_image = router_image or images.operator_image(registry)
     injector_image = spec.router.image or router_image  # injection.context's init container image
     revision = revision_of(spec, plans, injector_image)
     roles = []

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from kvferry.operator.render import images
 from kvferry.operator.spec import Role, Spec
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -87,8 +88,11 @@ def _resources(preset: dict[str, Any], role: Role, devices: int, efa: int) -> di
     return {"requests": requests, "limits": limits}
 
 
-def merge(spec: Spec, role_name: str) -> PodPlan:
-    """Combine the spec's preset with one role's settings: the single visible merge."""
+def merge(spec: Spec, role_name: str, registry: str = images.DEFAULT_REGISTRY) -> PodPlan:
+    """Combine the spec's preset with one role's settings: the single visible merge.
+
+    registry: where kvferry's own images are pulled from (a preset's `image: {kvferry: vllm}`).
+    """
     preset = load(spec.accelerator)
     role: Role = getattr(spec, role_name)
     accel: dict[str, Any] = preset.get("accelerator") or {}  # cpu and none have no devices
@@ -103,7 +107,7 @@ def merge(spec: Spec, role_name: str) -> PodPlan:
         buffer = DEVICE_BUFFER.get(accel["resource"], "cpu") if accel else "cpu"
     role_env = preset.get("roleEnv", {}).get(role_name, [])
     return PodPlan(
-        image=spec.image or preset.get("image", ""),
+        image=spec.image or images.resolve(preset.get("image"), registry),
         env=_by_name(preset.get("env", []), role_env, role.env),
         resources=_resources(preset, role, devices, efa),
         node_selector={**preset.get("nodeSelector", {}), **role.node_selector},
