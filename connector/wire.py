@@ -1,8 +1,10 @@
-"""Wire step: the typed messages kvferry peers exchange, encoded as msgpack with strict decoding.
+"""Wire step: the typed messages kvferry peers exchange, msgspec Structs encoded as msgpack.
 
-Every message is `MAGIC + msgpack({"t": <type>, ...fields})`. Decoding checks the magic, the
-protocol version, the type, and every field's presence and type, and raises `WireError` naming the
-bad field; nothing is read with a silent default.
+Every message is `MAGIC + msgpack({"t": <type>, ...fields})`: a msgspec tagged union (tag field `t`,
+written first). Decoding checks the magic and the protocol version, then msgspec checks the type and
+every field's presence, type and bound (counts and ids are ints >= 0, never bools; no unknown
+fields); floats must also be finite. Any problem raises `WireError` naming the bad field. Nothing is
+read with a silent default: a field with a Python default (for callers) is still required on the wire.
 
 PROTOCOL_VERSION history (bump on any change to a message below; peers must be equal):
   1. PeerInfo (side channel), Registration (D->P), Done (P->D with each WRITE), Failure (P->D),
@@ -14,106 +16,115 @@ PROTOCOL_VERSION history (bump on any change to a message below; peers must be e
      fingerprint, so a producer never writes by a layout other than the one the consumer registered.
   4. Registration carries the consumer's absolute deadline (`deadline_unix`, wall clock): the producer
      never starts a WRITE after it. Failure and Cancel carry the sender's `revision` like the others.
+     (Moving from msgpack + hand-written checks to msgspec kept every byte: still version 4.)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import typing
-from dataclasses import dataclass
-from typing import Any, ClassVar
+import re
+from typing import Annotated, Any, Union
 
-import msgpack
+import msgspec
 from kvferry.connector.layout import KVLayout, LayoutError, PlaneMap, Region
 
 PROTOCOL_VERSION = 4
 MAGIC = b"KVF\x04"  # the last byte is PROTOCOL_VERSION, so a mismatched peer fails on the first byte check
+
+Count = Annotated[int, msgspec.Meta(ge=0)]  # every count, rank, port and block id on the wire
 
 
 class WireError(ValueError):
     """A message that cannot be decoded; the message names the bad field."""
 
 
-@dataclass(frozen=True)
-class PeerInfo:
+class _Message(msgspec.Struct, frozen=True, tag_field="t", forbid_unknown_fields=True):
+    """Every message: the type in field `t`, no unknown fields (mypy wants frozen=True on each subclass)."""
+
+
+class PeerInfo(_Message, tag="peer", frozen=True):
     """What an engine rank's side channel serves: how to reach its NIXL agent and its KV layout."""
 
-    TYPE: ClassVar[str] = "peer"
     engine_id: str
     agent_name: str
     agent_metadata: bytes
-    tp_rank: int
-    tp_size: int
+    tp_rank: Count
+    tp_size: Count
     incarnation: str  # changes on restart, so a cached peer with the same engine_id is reloaded
-    layout: dict[str, Any]
+    layout: dict[str, Any]  # layout_to_wire(); checked by layout_from_wire
     layout_fingerprint: str  # KVLayout.fingerprint of `layout`, checked when it is decoded
 
 
-@dataclass(frozen=True)
-class Registration:
+class Registration(_Message, tag="reg", frozen=True):
     """Decode -> prefill: where to write the KV of (request_id, attempt)."""
 
-    TYPE: ClassVar[str] = "reg"
     request_id: str
-    attempt: int
+    attempt: Count
     consumer_engine: str
-    consumer_rank: int
-    consumer_tp: int
+    consumer_rank: Count
+    consumer_tp: Count
     consumer_host: str  # side channel of this consumer rank, to fetch its PeerInfo once
-    consumer_port: int
+    consumer_port: Count
     incarnation: str
-    num_tokens: int
-    block_ids: list[list[int]]  # per KV group, the consumer's destination blocks
+    num_tokens: Count
+    block_ids: list[list[Count]]  # per KV group, the consumer's destination blocks
     revision: str = ""  # the consumer's revision; the producer acts only on its own
     layout_fingerprint: str = ""  # the consumer rank's layout these block ids address
     deadline_unix: float = 0.0  # the consumer's deadline (time.time()); no WRITE may start after it
 
 
-@dataclass(frozen=True)
-class Done:
+class Done(_Message, tag="done", frozen=True):
     """Prefill -> decode, carried by the WRITE itself: this producer rank's part has landed."""
 
-    TYPE: ClassVar[str] = "done"
     request_id: str
-    attempt: int
+    attempt: Count
     producer_engine: str
-    producer_rank: int
+    producer_rank: Count
     revision: str = ""  # the producer's revision; the consumer counts only notices of its own
 
 
-@dataclass(frozen=True)
-class Failure:
+class Failure(_Message, tag="fail", frozen=True):
     """Prefill -> decode: this producer rank will not write (abort, lease expiry, handshake, write)."""
 
-    TYPE: ClassVar[str] = "fail"
     request_id: str
-    attempt: int
+    attempt: Count
     producer_engine: str
-    producer_rank: int
+    producer_rank: Count
     reason: str
     revision: str = ""
 
 
-@dataclass(frozen=True)
-class Cancel:
+class Cancel(_Message, tag="cancel", frozen=True):
     """Decode -> prefill: the consumer gave up (abort or deadline); do not start a write."""
 
-    TYPE: ClassVar[str] = "cancel"
     request_id: str
-    attempt: int
+    attempt: Count
     consumer_engine: str
-    consumer_rank: int
+    consumer_rank: Count
     revision: str = ""
 
 
 Message = PeerInfo | Registration | Done | Failure | Cancel
-_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (PeerInfo, Registration, Done, Failure, Cancel)}
+_CLASSES = (PeerInfo, Registration, Done, Failure, Cancel)
+_TYPES = frozenset(cls.__struct_config__.tag for cls in _CLASSES)
+
+
+def _all_required(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:
+    """`cls` without defaults, for decoding: a peer of our version sends every field."""
+    fields = [(f.name, f.type) for f in msgspec.structs.fields(cls)]
+    tag = cls.__struct_config__.tag
+    return msgspec.defstruct(f"{cls.__name__}OnWire", fields, bases=(_Message,), tag=tag, module=__name__)
+
+
+_ON_WIRE = {_all_required(cls): cls for cls in _CLASSES}
+_FLOATS = {cls: [f.name for f in msgspec.structs.fields(cls) if f.type is float] for cls in _CLASSES}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Union[tuple(_ON_WIRE)])  # noqa: UP007 (a runtime union of classes)
+_LAYOUT_PREFIX = "peer.layout"
 
 
 def encode(msg: Message) -> bytes:
-    body = {"t": msg.TYPE, **dataclasses.asdict(msg)}
-    return MAGIC + msgpack.packb(body, use_bin_type=True)
+    return MAGIC + _ENCODER.encode(msg)
 
 
 def decode(data: bytes) -> Message:
@@ -124,47 +135,80 @@ def decode(data: bytes) -> Message:
         raise WireError("not a kvferry message (bad magic)")
     if data[3] != PROTOCOL_VERSION:
         raise WireError(f"protocol version {data[3]} != ours {PROTOCOL_VERSION}")
+    body = memoryview(data)[4:]
     try:
-        body = msgpack.unpackb(bytes(data[4:]), raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several types for truncated/garbled input
-        raise WireError(f"message body is not valid msgpack ({type(exc).__name__}: {exc})") from None
-    if not isinstance(body, dict):
-        raise WireError(f"message body is {type(body).__name__}, expected a map")
-    cls = _TYPES.get(body.pop("t", None))
-    if cls is None:
-        raise WireError(f"unknown message type {body.get('t')!r}")
-    return _build(cls, body)
+        on_wire = _DECODER.decode(body)
+    except msgspec.ValidationError as exc:
+        raise _invalid(exc, body) from None
+    except msgspec.DecodeError as exc:  # truncated or garbled
+        raise WireError(f"message body is not valid msgpack ({exc})") from None
+    cls = _ON_WIRE[type(on_wire)]
+    for name in _FLOATS[cls]:
+        value = getattr(on_wire, name)
+        if not math.isfinite(value):
+            raise WireError(f"{cls.__struct_config__.tag}.{name}: must be finite, got {value}")
+    return cls(*msgspec.structs.astuple(on_wire))
 
 
-def _build(cls: type, body: dict[str, Any]) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    extra = sorted(set(body) - set(names))
-    if extra:
-        raise WireError(f"{cls.TYPE}: unexpected field {extra[0]!r}")
-    for name in names:
-        if name not in body:
-            raise WireError(f"{cls.TYPE}: missing field {name!r}")
-        _check(f"{cls.TYPE}.{name}", body[name], hints[name])
-    return cls(**body)
+# msgspec says `Expected `int` >= 0 - at `$.block_ids[0][1]``; we say `reg.block_ids[0][1]: must be >= 0`.
+_AT = re.compile(r"(?P<what>.*?)(?: - at `\$(?P<path>.*)`)?", re.DOTALL)
+_FIELD = re.compile(r"Object (?P<kind>missing required|contains unknown) field `(?P<name>.*)`")
+_TYPE = re.compile(r"Expected `(?P<want>\w+)`, got `(?P<got>\w+)`")
+_BOUND = re.compile(r"Expected `\w+` (?P<bound>.+)")
+_WANT = {"array": "a list", "object": "a map"}
+_GOT = {"array": "list", "object": "map", "null": "nil"}
 
 
-def _check(where: str, value: Any, hint: Any) -> None:
-    origin = typing.get_origin(hint)
-    if origin is list:
-        if not isinstance(value, list):
-            raise WireError(f"{where}: expected a list, got {type(value).__name__}")
-        for i, item in enumerate(value):
-            _check(f"{where}[{i}]", item, typing.get_args(hint)[0])
-        return
-    expected = dict if origin is dict else hint
-    ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
-    if not ok:
-        raise WireError(f"{where}: expected {expected.__name__}, got {type(value).__name__}")
-    if expected is int and value < 0:
-        raise WireError(f"{where}: must be >= 0, got {value}")
-    if expected is float and not math.isfinite(value):
-        raise WireError(f"{where}: must be finite, got {value}")
+def _invalid(exc: msgspec.ValidationError, body: memoryview) -> WireError:
+    """Name what is wrong with a body that is not one of our messages (the error path only)."""
+    try:
+        raw = msgspec.msgpack.decode(body)
+    except msgspec.DecodeError as err:  # msgspec stops at the first wrong type, before reading it all
+        return WireError(f"message body is not valid msgpack ({err})")
+    if not isinstance(raw, dict):
+        return WireError(f"message body is {type(raw).__name__}, expected a map")
+    claimed = raw.get("t")
+    if not (isinstance(claimed, str) and claimed in _TYPES):
+        return WireError(f"unknown message type {claimed!r}")
+    return _named(exc, claimed)
+
+
+def _named(exc: msgspec.ValidationError, root: str) -> WireError:
+    match = _AT.fullmatch(str(exc))
+    assert match is not None  # the pattern matches any text
+    what, where = match["what"], root + (match["path"] or "")
+    if m := _FIELD.fullmatch(what):
+        kind = "missing" if m["kind"] == "missing required" else "unexpected"
+        return WireError(f"{where}: {kind} field {m['name']!r}")
+    if m := _TYPE.fullmatch(what):
+        return WireError(
+            f"{where}: expected {_WANT.get(m['want'], m['want'])}, got {_GOT.get(m['got'], m['got'])}"
+        )
+    if m := _BOUND.fullmatch(what):
+        return WireError(f"{where}: must be {m['bound']}")
+    return WireError(f"{where}: {what}")
+
+
+class _Layout(msgspec.Struct):
+    """KVLayout as layout_to_wire writes it; unknown keys are ignored (the fingerprint covers meaning)."""
+
+    kind: str
+    dtype: str
+    block_size: int
+    num_heads: int
+    head_offset: int
+    total_heads: int
+    head_dim: int
+    elem_bytes: int
+    head_stride: int
+    block_stride: int
+    memory: str
+    device_id: int
+    planes: list[tuple[int, list[int], list[int]]]  # [offset, token offsets, dim offsets]
+    regions: list[tuple[int, int, int]]  # [base, num_blocks, group]
+
+
+_LAYOUT_SCALARS = [name for name in _Layout.__struct_fields__ if name not in ("planes", "regions")]
 
 
 def layout_to_wire(layout: KVLayout) -> dict[str, Any]:
@@ -175,38 +219,23 @@ def layout_to_wire(layout: KVLayout) -> dict[str, Any]:
     }
 
 
-_LAYOUT_SCALARS = {
-    "kind": str,
-    "dtype": str,
-    "block_size": int,
-    "num_heads": int,
-    "head_offset": int,
-    "total_heads": int,
-    "head_dim": int,
-    "elem_bytes": int,
-    "head_stride": int,
-    "block_stride": int,
-    "memory": str,
-    "device_id": int,
-}
-
-
 def layout_from_wire(body: dict[str, Any], fingerprint: str | None = None) -> KVLayout:
     """Rebuild a peer's KVLayout; any problem (including a fingerprint that does not match what the
     layout hashes to) becomes a WireError naming the field."""
-    for name, kind in {**_LAYOUT_SCALARS, "planes": list, "regions": list}.items():
-        if name not in body:
-            raise WireError(f"peer.layout: missing field {name!r}")
-        if not isinstance(body[name], kind) or isinstance(body[name], bool):
-            raise WireError(f"peer.layout.{name}: expected {kind.__name__}, got {type(body[name]).__name__}")
     try:
-        planes = tuple(PlaneMap(int(o), tuple(map(int, t)), tuple(map(int, d))) for o, t, d in body["planes"])
-        regions = tuple(Region(int(b), int(n), int(g)) for b, n, g in body["regions"])
-        layout = KVLayout(**{n: body[n] for n in _LAYOUT_SCALARS}, planes=planes, regions=regions)
+        wire = msgspec.convert(body, _Layout)
+    except msgspec.ValidationError as exc:
+        raise _named(exc, _LAYOUT_PREFIX) from None
+    try:
+        layout = KVLayout(
+            **{n: getattr(wire, n) for n in _LAYOUT_SCALARS},
+            planes=tuple(PlaneMap(o, tuple(t), tuple(d)) for o, t, d in wire.planes),
+            regions=tuple(Region(b, n, g) for b, n, g in wire.regions),
+        )
     except (LayoutError, TypeError, ValueError) as exc:
-        raise WireError(f"peer.layout: {exc}") from None
+        raise WireError(f"{_LAYOUT_PREFIX}: {exc}") from None
     if fingerprint is not None and layout.fingerprint != fingerprint:
         raise WireError(
-            f"peer.layout: fingerprint {fingerprint} does not match its layout ({layout.fingerprint})"
+            f"{_LAYOUT_PREFIX}: fingerprint {fingerprint} does not match its layout ({layout.fingerprint})"
         )
     return layout

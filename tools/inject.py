@@ -3,11 +3,10 @@
 The operator runs this as an init container from its own image (`kvferry.connectorSource: inject`) into
 an emptyDir that the vLLM container gets on PYTHONPATH, so users need not rebuild their vLLM image.
 Copied: the `kvferry.connector` and `kvferry.contracts` packages (namespace portions: no
-`kvferry/__init__.py`; nothing else of kvferry runs inside vLLM)
-and msgpack's pure-Python files, because vLLM depends on msgspec, not msgpack. Compiled extensions are
-never copied: the operator image's Python ABI need not match the vLLM image's, and msgpack falls back
-to its pure-Python implementation when `_cmsgpack` is absent. NIXL, numpy, prometheus_client and vLLM
-come from the vLLM image; `kvferry preflight --startup` checks them when the pod starts.
+`kvferry/__init__.py`; nothing else of kvferry runs inside vLLM), their .py files only: compiled files
+would tie the copy to the operator image's Python ABI. Everything they import besides comes from the
+vLLM image: NIXL, numpy, prometheus_client, vLLM, and msgspec (a vLLM dependency; the wire format uses
+it); `kvferry preflight --startup` checks them when the pod starts.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from kvferry.contracts import termination
 PACKAGES = (
     ("kvferry.connector", Path("kvferry/connector")),
     ("kvferry.contracts", Path("kvferry/contracts")),
-    ("msgpack", Path("msgpack")),
 )
 MANIFEST = "kvferry-inject.json"
 TERMINATION_LOG = Path("/dev/termination-log")

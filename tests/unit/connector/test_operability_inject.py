@@ -52,14 +52,14 @@ def injected(tmp_path_factory) -> Path:
         [_kvferry(), "inject", "--to", str(dest)], capture_output=True, text=True, timeout=60
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "copied kvferry.connector" in res.stdout and "copied msgpack" in res.stdout
+    assert "copied kvferry.connector" in res.stdout and "copied kvferry.contracts" in res.stdout
     return dest
 
 
 def test_inject_copies_pure_python_only(injected: Path) -> None:
     assert not (injected / "kvferry" / "__init__.py").exists(), "kvferry must stay a namespace package"
     assert (injected / "kvferry" / "connector" / "connector.py").is_file()
-    assert (injected / "msgpack" / "fallback.py").is_file()
+    assert sorted(p.name for p in injected.iterdir()) == ["kvferry", "kvferry-inject.json"]  # nothing else
     compiled = [p for p in injected.rglob("*") if p.suffix in (".so", ".pyc")]
     assert compiled == [], f"compiled files would tie the copy to one Python ABI: {compiled}"
 
@@ -69,19 +69,17 @@ def test_inject_copies_pure_python_only(injected: Path) -> None:
 def test_injected_connector_imports_and_passes_startup_preflight(injected: Path, tmp_path: Path) -> None:
     log = tmp_path / "termination-log"
     code = """
-import kvferry.connector, msgpack, msgpack.fallback
+import kvferry.connector, msgspec
 from kvferry.connector.connector import KvferryConnector
 from kvferry.connector import wire
-print("FILES", kvferry.connector.__file__, msgpack.__file__, msgpack.Packer.__module__,
-      KvferryConnector.__mro__[1].__module__)
+print("FILES", kvferry.connector.__file__, msgspec.__file__, KvferryConnector.__mro__[1].__module__)
 """
     res = _clean_python([injected], code + _startup_preflight(log))
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     files = next(line for line in res.stdout.splitlines() if line.startswith("FILES "))
-    conn_file, msgpack_file, packer_module, base_module = files.split()[1:]
+    conn_file, msgspec_file, base_module = files.split()[1:]
     assert conn_file.startswith(str(injected)), conn_file
-    assert msgpack_file.startswith(str(injected)), msgpack_file
-    assert packer_module == "msgpack.fallback"  # no compiled extension was copied
+    assert msgspec_file.startswith(sysconfig.get_paths()["purelib"]), msgspec_file  # vLLM's own msgspec
     assert base_module.startswith("vllm."), base_module
     for check in ("vllm_version", "nixl_version", "vllm_glue", "backend_UCX"):
         assert f"ok   {check}" in res.stdout, res.stdout

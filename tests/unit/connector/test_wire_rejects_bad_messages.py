@@ -1,8 +1,9 @@
-"""wire: round trips, and every malformed or truncated message names what is wrong."""
+"""wire: round trips, the bytes of protocol 4, and every malformed or truncated message names what is
+wrong."""
 
 from __future__ import annotations
 
-import msgpack
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -10,6 +11,7 @@ from kvferry.connector.wire import (
     MAGIC,
     Done,
     Failure,
+    PeerInfo,
     Registration,
     WireError,
     decode,
@@ -22,13 +24,45 @@ from kvferry.tools.hostkv import synthetic_layout
 REG = Registration("req-1", 2, "decode-0", 1, 2, "127.0.0.1", 5601, "abc", 300, [[4, 5, 6]])
 
 
-def raw(body: dict) -> bytes:
-    return MAGIC + msgpack.packb(body, use_bin_type=True)
+def raw(body: object) -> bytes:
+    return MAGIC + msgspec.msgpack.encode(body)
 
 
 def test_round_trip():
     for msg in (REG, Done("r", 0, "p", 0), Failure("r", 1, "p", 3, "lease_expired")):
         assert decode(encode(msg)) == msg
+
+
+# Written by the msgpack encoder of protocol 4 before msgspec: peers of either build read each other.
+V4_BYTES = [
+    (
+        Registration(
+            "req-1", 2, "decode-0", 1, 2, "127.0.0.1", 5601, "abc", 300, [[4, 5, 6]], "r1", "fp", 1.7e9 + 0.5
+        ),
+        "4b5646048ea174a3726567aa726571756573745f6964a57265712d31a7617474656d707402af636f6e73756d65725f656e67"
+        "696e65a86465636f64652d30ad636f6e73756d65725f72616e6b01ab636f6e73756d65725f747002ad636f6e73756d6572"
+        "5f686f7374a93132372e302e302e31ad636f6e73756d65725f706f7274cd15e1ab696e6361726e6174696f6ea3616263aa"
+        "6e756d5f746f6b656e73cd012ca9626c6f636b5f6964739193040506a87265766973696f6ea27231b26c61796f75745f66"
+        "696e6765727072696e74a26670ad646561646c696e655f756e6978cb41d954fc40200000",
+    ),
+    (
+        Done("r", 0, "p", 0),
+        "4b56460486a174a4646f6e65aa726571756573745f6964a172a7617474656d707400af70726f64756365725f656e67696e"
+        "65a170ad70726f64756365725f72616e6b00a87265766973696f6ea0",
+    ),
+    (
+        PeerInfo("e", "a", b"\x00\x01", 0, 1, "i", {"k": [1, 2]}, "fp"),
+        "4b56460489a174a470656572a9656e67696e655f6964a165aa6167656e745f6e616d65a161ae6167656e745f6d657461"
+        "64617461c4020001a774705f72616e6b00a774705f73697a6501ab696e6361726e6174696f6ea169a66c61796f757481"
+        "a16b920102b26c61796f75745f66696e6765727072696e74a26670",
+    ),
+]
+
+
+@pytest.mark.parametrize(("msg", "hexed"), V4_BYTES, ids=["reg", "done", "peer"])
+def test_protocol_4_bytes_are_unchanged(msg, hexed):
+    assert encode(msg).hex() == hexed
+    assert decode(bytes.fromhex(hexed)) == msg
 
 
 @given(st.integers(min_value=0, max_value=200))
@@ -49,11 +83,19 @@ def test_every_truncation_is_a_wire_error(cut):
         (lambda b: b.update(block_ids=[[1, "x"]]), r"reg.block_ids\[0\]\[1\]: expected int"),
         (lambda b: b.update(block_ids=5), "reg.block_ids: expected a list"),
         (lambda b: b.update(surprise=1), "unexpected field 'surprise'"),
-        (lambda b: b.update(t="nope"), "unknown message type"),
+        (lambda b: b.update(t="nope"), "unknown message type 'nope'"),
+        (lambda b: b.update(t=[1]), r"unknown message type \[1\]"),
+        (lambda b: b.pop("t"), "unknown message type None"),
+        # a default is for callers only: a peer of this version sends every field
+        (lambda b: b.pop("revision"), "reg: missing field 'revision'"),
+        (lambda b: b.pop("deadline_unix"), "reg: missing field 'deadline_unix'"),
+        (lambda b: b.update(deadline_unix="soon"), "reg.deadline_unix: expected float, got str"),
+        (lambda b: b.update(request_id=b"x"), "reg.request_id: expected str, got bytes"),
+        (lambda b: b.update(consumer_port=5601.0), "reg.consumer_port: expected int, got float"),
     ],
 )
 def test_malformed_registration_names_the_field(mutate, message):
-    body = msgpack.unpackb(encode(REG)[4:])
+    body = msgspec.msgpack.decode(encode(REG)[4:])
     mutate(body)
     with pytest.raises(WireError, match=message):
         decode(raw(body))
@@ -65,7 +107,19 @@ def test_foreign_bytes_and_versions_are_rejected():
     with pytest.raises(WireError, match="protocol version 9"):
         decode(b"KVF\x09" + encode(REG)[4:])
     with pytest.raises(WireError, match="expected a map"):
-        decode(MAGIC + msgpack.packb([1, 2]))
+        decode(raw([1, 2]))
+    with pytest.raises(WireError, match="not valid msgpack"):
+        decode(MAGIC + b"garbage")
+    with pytest.raises(WireError, match="not valid msgpack"):
+        decode(encode(REG) + b"\x00")  # trailing bytes
+
+
+def test_peer_metadata_must_be_bytes_and_layout_a_map():
+    body = msgspec.msgpack.decode(encode(V4_BYTES[2][0])[4:])
+    with pytest.raises(WireError, match="peer.agent_metadata: expected bytes, got str"):
+        decode(raw({**body, "agent_metadata": "x"}))
+    with pytest.raises(WireError, match="peer.layout: expected a map, got list"):
+        decode(raw({**body, "layout": []}))
 
 
 def test_layout_round_trip_and_bad_layout():
@@ -108,4 +162,10 @@ def test_layout_whose_fingerprint_does_not_match_is_rejected():
     body = layout_to_wire(layout)
     body["planes"] = [[0, [0], [0]]]
     with pytest.raises(WireError, match="token and 1 dim offsets"):
+        layout_from_wire(body)
+    body["planes"] = [[0, [0], ["1"]]]
+    with pytest.raises(WireError, match=r"peer.layout.planes\[0\]\[2\]\[0\]: expected int, got str"):
+        layout_from_wire(body)
+    body["planes"] = [[0, [0]]]
+    with pytest.raises(WireError, match=r"peer.layout.planes\[0\]: "):
         layout_from_wire(body)
