@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextlib
 import socket
 
+from kvferry.router.promtext import metric_sum, parse_metrics
 from kvferry.tools.hostkv import CacheShape
 from kvferry.tools.rankproc import RankProcess, RankSpec
+
+from tests.waiting import wait_until
 
 FAST = {"lease_s": 3.0, "registration_ttl_s": 3.0, "handshake_timeout_s": 1.0, "handshake_attempts": 2}
 
@@ -87,4 +90,15 @@ def expect_args(
         block_ids=[blocks],
         num_tokens=tokens,
         deadline_s=deadline_s,
+    )
+
+
+def parked_on(prod: RankProcess, n: int = 1) -> None:
+    """Wait until P holds `n` registrations without a finished prefill to match (its pending gauge)."""
+    wait_until(
+        lambda: metric_sum(parse_metrics(prod.call("metrics")), "kvferry_pending", kind="registrations"),
+        f"{n} registration(s) parked on the producer",
+        timeout_s=10,
+        interval_s=0.05,
+        until=lambda parked: parked >= n,
     )

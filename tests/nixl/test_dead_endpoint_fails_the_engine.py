@@ -5,12 +5,12 @@ Kubernetes restarts the pod. Real endpoint and NIXL agent, in this process."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from kvferry.connector.config import KvferryConfig
 from kvferry.connector.endpoint import Endpoint
 from kvferry.tools.hostkv import CacheShape, host_kv
+
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.nixl
 
@@ -29,10 +29,9 @@ def test_a_dead_endpoint_thread_fails_the_engine_loudly(monkeypatch):
 
         monkeypatch.setattr(ep.consumer, "tick", broken)
         ep.kick()
-        end = time.monotonic() + 10
-        while not ep.dead and time.monotonic() < end:
-            time.sleep(0.05)
-        assert ep.dead == "RuntimeError: a bug in the round"
+        assert wait_until(lambda: ep.dead, "the endpoint thread to die", 10, 0.05) == (
+            "RuntimeError: a bug in the round"
+        )
         assert not ep._thread.is_alive()
         worker = KvferryWorker.__new__(KvferryWorker)  # only the step hook is exercised
         worker.endpoint = ep

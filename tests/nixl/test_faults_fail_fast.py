@@ -10,7 +10,7 @@ import pytest
 from kvferry.router.promtext import metric_sum, parse_metrics
 from kvferry.tools.hostkv import CacheShape
 
-from tests.nixl.helpers import expect_args
+from tests.nixl.helpers import expect_args, parked_on
 
 pytestmark = pytest.mark.nixl
 SHAPE = CacheShape(block_size=16)
@@ -57,7 +57,7 @@ def test_unknown_request_registration_expires_with_failure(procs):
 def test_prefill_abort_fails_the_consumer_fast(procs):
     prod, cons = pair(procs)
     cons.call("expect", "r", 0, expect_args(prod, BLOCKS, 40, deadline_s=30.0))
-    time.sleep(0.5)  # let the registration arrive first
+    parked_on(prod)  # the registration arrives first
     prod.call("abort", "r", 0)
     failed, _ = failed_within(cons, 5.0)
     assert failed == [(("r", 0), "prefill_aborted")]
@@ -109,7 +109,7 @@ def test_a_request_the_core_cannot_accept_fails_alone_and_the_thread_serves_on(p
 def test_producer_killed_turns_into_a_deadline_failure(procs):
     prod, cons = pair(procs)
     cons.call("expect", "r", 0, expect_args(prod, BLOCKS, 40, deadline_s=3.0))
-    time.sleep(0.5)
+    parked_on(prod)
     prod.kill()
     failed, took = failed_within(cons, 3.0)
     assert failed == [(("r", 0), "deadline")] and took < 8.0
@@ -123,7 +123,7 @@ def test_consumer_killed_mid_transfer_releases_producer_blocks(procs):
     (other,) = procs.start("consumer", "decode-1", big, **slow)
     tokens, blocks = 128 * 32, list(range(32))
     cons.call("expect", "r", 0, expect_args(prod, blocks, tokens))
-    time.sleep(0.5)
+    parked_on(prod)
     prod.call("finish", "r", 0, blocks, tokens, "decode-0", False)  # contents do not matter here
     cons.kill()  # while the WRITE is posted or in flight
     out = prod.call("results", 30.0, 1)  # bounded: the WRITE completes or fails, blocks are released

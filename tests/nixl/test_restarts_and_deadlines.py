@@ -18,7 +18,7 @@ import pytest
 from kvferry.router.promtext import metric_sum, parse_metrics
 from kvferry.tools.hostkv import CacheShape
 
-from tests.nixl.helpers import expect_args, free_port_pair
+from tests.nixl.helpers import expect_args, free_port_pair, parked_on
 
 pytestmark = pytest.mark.nixl
 SHAPE = CacheShape(block_size=16)
@@ -52,15 +52,15 @@ def test_a_frozen_producer_never_writes_after_the_consumers_deadline(procs):
     (cons,) = procs.start("consumer", "decode-0", SHAPE, grace_s=1.0)
     transfer(prod, cons, "warm")  # both agents loaded: no handshake in what follows
     blocks = [7, 8, 9]
+    t0 = time.monotonic()
     cons.call("expect", "r", 0, expect_args(prod, blocks, 40, deadline_s=2.0))
-    time.sleep(0.5)  # the registration is parked on P
+    parked_on(prod)
     os.kill(prod.pid, signal.SIGSTOP)
     try:
-        t0 = time.monotonic()
         failed = cons.call("results", 10.0, 1)["failed"]
         took = time.monotonic() - t0
-        # Quarantined past the deadline (1.5 s from here) for grace_s, then released.
-        assert failed == [(("r", 0), "deadline")] and 2.0 <= took < 6.0, (failed, took)
+        # Quarantined past the deadline (2 s after the expectation) for grace_s (1 s), then released.
+        assert failed == [(("r", 0), "deadline")] and 3.0 <= took < 6.5, (failed, took)
         finishing = threading.Thread(target=prod.call, args=("finish", "r", 0, [1, 2, 3], 40, "decode-0"))
         finishing.start()  # queued in the frozen process: it runs when P resumes
     finally:

@@ -12,6 +12,7 @@ from kvferry.connector.wire import Done, Registration, encode
 from kvferry.tools.hostkv import CacheShape
 
 from tests.nixl.helpers import expect_args
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.nixl
 SHAPE = CacheShape(block_size=16)
@@ -46,12 +47,14 @@ def rejected(metrics: str, reason: str) -> float:
 
 
 def wait_rejected(proc, reason: str, at_least: float) -> float:
-    end = time.monotonic() + 10
-    while time.monotonic() < end:
-        if (n := rejected(proc.call("metrics"), reason)) >= at_least:
-            return n
-        time.sleep(0.1)
-    return rejected(proc.call("metrics"), reason)
+    """The count of `reason` rejections once it reached `at_least` (callers check it is exact)."""
+    return wait_until(
+        lambda: rejected(proc.call("metrics"), reason),
+        f"{at_least:g} {reason} rejections",
+        timeout_s=10,
+        interval_s=0.1,
+        until=lambda n: n >= at_least,
+    )
 
 
 def reg(rid: str, engine: str, deadline_unix: float | None = None) -> Registration:
