@@ -1,12 +1,14 @@
 """The one poll helper of every test tier: wait until a condition holds, or fail naming what was awaited
 and what was last observed. Tests order their steps by polling state (metrics, API objects, counters)
-with it, never by sleeping a guessed time."""
+with it, never by sleeping a guessed time. `wait_until_async` is the same poll for code that runs in an
+event loop (sleeping there must not block the loop)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -33,18 +35,53 @@ def wait_until(
     value seen: pass a probe that observes (a counter, the gauges) and an `until` that judges, and a
     failure shows what was observed, not just False. Exceptions of the `ignore` types count as "not
     yet" (e.g. a server that does not answer while it starts) and are reported as the last value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    poll = _Poll(probe, what, timeout_s, until, ignore)
+    while not poll.done():
+        time.sleep(interval_s)
+    return poll.value
+
+
+async def wait_until_async(
+    probe: Callable[[], T],
+    what: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    interval_s: float = 0.01,
+    *,
+    until: Callable[[T], object] = bool,
+    ignore: tuple[type[BaseException], ...] = (),
+) -> T:
+    """`wait_until` inside an event loop: the loop runs on between probes."""
+    poll = _Poll(probe, what, timeout_s, until, ignore)
+    while not poll.done():
+        await asyncio.sleep(interval_s)
+    return poll.value
+
+
+class _Poll(Generic[T]):
+    def __init__(
+        self,
+        probe: Callable[[], T],
+        what: str,
+        timeout_s: float,
+        until: Callable[[T], object],
+        ignore: tuple[type[BaseException], ...],
+    ) -> None:
+        self.probe, self.what, self.timeout_s, self.until, self.ignore = probe, what, timeout_s, until, ignore
+        self.deadline = time.monotonic() + timeout_s
+
+    def done(self) -> bool:
+        """Probe once: True when `until` holds (the value is in .value); WaitTimeout when time is up."""
         try:
-            value = probe()
-        except ignore as exc:
+            value = self.probe()
+        except self.ignore as exc:
             last: object = exc
         else:
-            if until(value):
-                return value
+            if self.until(value):
+                self.value = value
+                return True
             last = value
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= self.deadline:
             seen = repr(last)
             seen = seen if len(seen) <= MAX_SHOWN else seen[:MAX_SHOWN] + " ..."
-            raise WaitTimeout(f"timed out after {timeout_s:g} s waiting for {what} (last: {seen})")
-        time.sleep(interval_s)
+            raise WaitTimeout(f"timed out after {self.timeout_s:g} s waiting for {self.what} (last: {seen})")
+        return False

@@ -3,11 +3,12 @@ it waited for and what it last saw."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import pytest
 
-from tests.waiting import WaitTimeout, wait_until
+from tests.waiting import WaitTimeout, wait_until, wait_until_async
 
 
 def test_returns_the_first_truthy_value() -> None:
@@ -48,3 +49,21 @@ def test_ignored_exceptions_mean_not_yet_and_are_reported() -> None:
 def test_other_exceptions_propagate() -> None:
     with pytest.raises(ZeroDivisionError):
         wait_until(lambda: 1 / 0, "a division", 5, ignore=(ConnectionError,))
+
+
+def test_the_async_poll_lets_the_loop_run_between_probes() -> None:
+    async def main() -> list[str]:
+        events: list[str] = []
+
+        async def later() -> None:
+            await asyncio.sleep(0.02)
+            events.append("done")
+
+        task = asyncio.create_task(later())
+        assert await wait_until_async(lambda: events, "the task's event", 5) == ["done"]
+        await task
+        with pytest.raises(WaitTimeout, match=r"waiting for nothing \(last: \[\]\)"):
+            await wait_until_async(list, "nothing", 0.05)
+        return events
+
+    assert asyncio.run(main()) == ["done"]

@@ -13,6 +13,7 @@ from kvferry.router.selection import LoadTracker, OverloadedError, Selector
 
 from tests.unit.router.engines import FakeEngine, router_state, run
 from tests.unit.router.test_router_selection import ep
+from tests.waiting import wait_until_async
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 5}
 
@@ -40,8 +41,7 @@ def test_selection_skips_engines_at_their_limit() -> None:
 def test_full_decode_gets_429_with_retry_after() -> None:
     async def check(client: TestClient, p: FakeEngine, d: FakeEngine) -> None:
         first = asyncio.create_task(client.post("/v1/completions", json=BODY))
-        while not (p.seen and d.seen):  # both legs of the first request are in flight
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: p.seen and d.seen, "both legs of the first request in flight", 10)
         resp = await client.post("/v1/completions", json=BODY)
         assert resp.status == 429 and resp.headers["Retry-After"] == "1"
         error = (await resp.json())["error"]
