@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: set up (idempotent), lint (ruff, import layering), then run every suite
+# The test command: set up (idempotent), lint (ruff, import layering, types), then run every suite
 # (unit, nixl, cluster, e2e).
 # Extra arguments go to pytest, e.g. `scripts/test.sh -m "not e2e"`.
 set -euo pipefail
@@ -14,4 +14,6 @@ ruff format --check .
 kvferry generate --check
 # Layering: the import contracts of docs/architecture.md "Layering rules" (pyproject [tool.importlinter]).
 lint-imports --no-logo
+# Types: mypy, strict except the not-yet-typed modules pyproject [tool.mypy] lists.
+python scripts/typecheck.py
 exec python -m pytest "$@"
