@@ -1,17 +1,25 @@
 """Config step: the operator's settings in one object; each field reads a KVFERRY_* env var or a flag.
 
-docs/operator.md lists these (from `describe()`), so the table and the code cannot drift apart.
+Each field's type says what its variable takes (msgspec converts the string and checks msgspec.Meta
+bounds; an empty variable counts as unset). docs/operator.md lists these (from `describe()`), so the
+table and the code cannot drift apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 from kvferry.operator.render.objects import DEFAULT_ROUTER_IMAGE
+
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 
 # The only fields a metrics URL template may hold (scrape.metrics_urls fills them).
 PLACEHOLDERS = frozenset({"pod", "pod_ip", "namespace", "port", "role"})
@@ -76,10 +84,10 @@ class OperatorConfig:
         "Namespace the operator runs in (the chart sets it): only its pods there may read engine /metrics "
         "by default (NetworkPolicy).",
     )
-    metrics_interval: float = setting(
+    metrics_interval: Seconds = setting(
         30.0, "KVFERRY_METRICS_INTERVAL", "Seconds between transfer-metrics scrapes per CR."
     )
-    metrics_timeout: float = setting(
+    metrics_timeout: Seconds = setting(
         2.0, "KVFERRY_METRICS_TIMEOUT", "Per-pod timeout of a metrics scrape, seconds."
     )
     metrics_url: str = setting(
@@ -88,7 +96,7 @@ class OperatorConfig:
         "Where engine metrics are read: template with {pod}, {pod_ip}, {namespace}, "
         "{port}, {role} (bare, no format specs). Only the operator's own setting: CRs cannot change it.",
     )
-    resync_interval: float = setting(
+    resync_interval: Seconds = setting(
         300.0,
         "KVFERRY_RESYNC_INTERVAL",
         "Seconds between full reconciles of each CR (catches drift of kinds "
@@ -97,13 +105,13 @@ class OperatorConfig:
     liveness: str = setting(
         "", "KVFERRY_LIVENESS", "host:port for the /healthz liveness endpoint; empty = none."
     )
-    metrics_port: int = setting(
+    metrics_port: Port = setting(
         0, "KVFERRY_METRICS_PORT", "Port of the operator's own /metrics (API requests, reconciles); 0 = off."
     )
     metrics_host: str = setting(
         "0.0.0.0", "KVFERRY_METRICS_HOST", "Address the operator's /metrics binds to."
     )
-    apply_pause_seconds: float = setting(
+    apply_pause_seconds: Annotated[float, msgspec.Meta(ge=0)] = setting(
         0.0,
         "KVFERRY_APPLY_PAUSE_SECONDS",
         "Test hook: sleep between object applies (to kill the operator mid-reconcile). Keep 0 in production.",
@@ -113,28 +121,21 @@ class OperatorConfig:
         check_template(self.metrics_url)  # fail at start-up, not on every scrape
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> OperatorConfig:
-        environ = dict(os.environ if environ is None else environ)
-        values: dict[str, Any] = {}
-        for fl in dataclasses.fields(cls):
-            raw = environ.get(fl.metadata["env"])
-            if raw is None:
-                continue
-            values[fl.name] = _coerce(fl.default, raw, fl.metadata["env"])
-        return cls(**values)
-
-
-def _coerce(default: Any, raw: str, env: str) -> Any:
-    try:
-        if isinstance(default, bool):
-            if raw.lower() not in ("1", "true", "yes", "0", "false", "no", ""):
-                raise ValueError(raw)
-            return raw.lower() in ("1", "true", "yes")
-        if isinstance(default, tuple):
-            return tuple(part.strip() for part in raw.split(",") if part.strip())
-        return type(default)(raw)
-    except ValueError:
-        raise ValueError(f"{env}={raw!r}: expected {type(default).__name__}") from None
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorConfig:
+        environ = os.environ if environ is None else environ
+        env = {fl.name: fl.metadata["env"] for fl in dataclasses.fields(cls)}
+        raw: dict[str, Any] = {name: environ[var] for name, var in env.items() if environ.get(var)}
+        if "namespaces" in raw:
+            raw["namespaces"] = [part.strip() for part in raw["namespaces"].split(",") if part.strip()]
+        try:
+            return msgspec.convert(raw, cls, strict=False)  # strict=False: numbers and booleans from text
+        except msgspec.ValidationError as exc:
+            what, _, path = str(exc).partition(" - at `$.")
+            name = path.rstrip("`")
+            if name not in env:  # __post_init__'s own message
+                raise ValueError(what) from None
+            what = re.sub(r"Expected `(\w+)`", r"expected \1", what).replace(", got `str`", "")
+            raise ValueError(f"{env[name]}={environ[env[name]]!r}: {what}") from None
 
 
 def describe() -> list[tuple[str, str, str, str]]:

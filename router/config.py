@@ -1,23 +1,50 @@
 """Router config step: parse and validate `router.yaml` (docs/contracts.md §2) into typed settings.
 
-Every error names the offending path (`discovery.static.decode[0].url: ...`) so a bad ConfigMap
-fails at start with a message that says what to fix.
+The file's shape is declared below as msgspec Structs (unknown keys refused, bounds by msgspec.Meta) and
+converted in one call. Every error names the offending path (`discovery.static.decode[0].url: ...`) so
+a bad ConfigMap fails at start with a message that says what to fix; a Meta's extra["error"] words the
+errors of the values it annotates (extra["type_error"] those of a wrong type, when it differs).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
-MODES = ("kvferry", "vllm-push", "vllm-pull")
-POLICIES = ("least-loaded", "round-robin")
+import msgspec
+import msgspec.inspect as mi
+
+Mode = Literal["kvferry", "vllm-push", "vllm-pull"]
+Policy = Literal["least-loaded", "round-robin"]
+MODES: tuple[str, ...] = get_args(Mode)
+POLICIES: tuple[str, ...] = get_args(Policy)
 ROLES = ("prefill", "decode")
+
+Text = Annotated[str, msgspec.Meta(min_length=1, extra={"error": "expected a non-empty string"})]
+Positive = Annotated[float, msgspec.Meta(gt=0, extra={"error": "expected a positive number"})]
+_INTEGER = "expected an integer"
+PositiveInt = Annotated[
+    int, msgspec.Meta(gt=0, extra={"error": "expected a positive number", "type_error": _INTEGER})
+]
+Count = Annotated[int, msgspec.Meta(ge=0, extra={"error": "expected a non-negative integer"})]
+Fraction = Annotated[float, msgspec.Meta(ge=0, le=1, extra={"error": "expected a number from 0 to 1"})]
+Port = Annotated[
+    int,
+    msgspec.Meta(
+        ge=1, le=65535, extra={"error": "port {value!r} is out of range 1-65535", "type_error": _INTEGER}
+    ),
+]
 
 
 class ConfigError(ValueError):
     """A router config that cannot work; the message names the path and the problem."""
+
+
+class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A mapping of router.yaml (mypy wants frozen=True and kw_only=True on each subclass)."""
 
 
 @dataclass(frozen=True)
@@ -33,24 +60,29 @@ class Endpoint:
     revision: str = ""
 
 
-@dataclass(frozen=True)
-class Deadlines:
-    prefill_s: float = 60.0
-    decode_first_token_s: float = 60.0
-    transfer_s: float = 30.0
-    total_s: float = 600.0
+class Deadlines(_Section, frozen=True, kw_only=True):
+    prefill_s: Positive = 60.0
+    decode_first_token_s: Positive = 60.0
+    transfer_s: Positive = 30.0
+    total_s: Positive = 600.0
 
 
-@dataclass(frozen=True)
-class Limits:
+class Limits(_Section, frozen=True, kw_only=True):
     """Overload control. The in-flight limit counts the legs this router has open on one engine
     (vLLM's default max_num_seqs is 256: beyond that requests only queue inside the engine). The
     recompute budget lets local recomputes add at most recompute_ratio of recent requests' work,
     plus a burst of recompute_burst."""
 
-    max_in_flight_per_engine: int = 256
-    recompute_ratio: float = 0.2
-    recompute_burst: int = 10
+    max_in_flight_per_engine: PositiveInt = 256
+    recompute_ratio: Fraction = 0.2
+    recompute_burst: Count = 10
+
+
+class AuthConfig(_Section, frozen=True, kw_only=True):
+    """Where the API key comes from (never the key itself: configs end up in ConfigMaps)."""
+
+    api_key_env: Text | None = None
+    api_key_file: Text | None = None
 
 
 @dataclass(frozen=True)
@@ -64,108 +96,122 @@ class KubernetesDiscoveryConfig:
 
 
 @dataclass(frozen=True)
-class AuthConfig:
-    """Where the API key comes from (never the key itself: configs end up in ConfigMaps)."""
-
-    api_key_env: str | None = None
-    api_key_file: str | None = None
-
-
-@dataclass(frozen=True)
 class RouterConfig:
     mode: str
     host: str = "127.0.0.1"
     port: int = 8000
     model: str | None = None
     policy: str = "least-loaded"
-    deadlines: Deadlines = field(default_factory=Deadlines)
-    limits: Limits = field(default_factory=Limits)
+    deadlines: Deadlines = Deadlines()
+    limits: Limits = Limits()
     static: dict[str, tuple[Endpoint, ...]] | None = None
     kubernetes: KubernetesDiscoveryConfig | None = None
-    auth: AuthConfig = field(default_factory=AuthConfig)
+    auth: AuthConfig = AuthConfig()
 
 
-def _mapping(value: Any, path: str, allowed: set[str], required: set[str] = frozenset()) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
-    unknown = sorted(set(value) - allowed)
-    if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
-    missing = sorted(required - set(value))
-    if missing:
-        raise ConfigError(f"{path}: missing required key(s) {missing}")
-    return value
+# router.yaml as written; parse_config turns it into the settings above.
+class _Listen(_Section, frozen=True, kw_only=True):
+    host: Text = "127.0.0.1"
+    port: Port = 8000
 
 
-def _str(value: Any, path: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{path}: expected a non-empty string, got {value!r}")
-    return value
+class _Engine(_Section, frozen=True, kw_only=True):
+    url: Text
+    engine_id: Text
+    side_host: Text
+    side_port: Port
+    tp_size: PositiveInt = 1
+    revision: str | int | float = ""  # YAML reads an unquoted 1234 as a number
 
 
-def _choice(value: Any, path: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ConfigError(f"{path}: {value!r} is not one of {list(choices)}")
-    return str(value)
+Engines = Annotated[
+    list[_Engine], msgspec.Meta(min_length=1, extra={"error": "expected a non-empty list of endpoints"})
+]
 
 
-def _positive(value: Any, path: str, kind: type = float) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"{path}: expected a positive number, got {value!r}")
-    if kind is int and int(value) != value:
-        raise ConfigError(f"{path}: expected an integer, got {value!r}")
-    return kind(value)
+class _Static(_Section, frozen=True, kw_only=True):
+    prefill: Engines
+    decode: Engines
 
 
-def _count(value: Any, path: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{path}: expected a non-negative integer, got {value!r}")
-    return value
+class _TpSize(_Section, frozen=True, kw_only=True):
+    prefill: PositiveInt = 1
+    decode: PositiveInt = 1
 
 
-def _fraction(value: Any, path: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ConfigError(f"{path}: expected a number from 0 to 1, got {value!r}")
-    return float(value)
+class _Kubernetes(_Section, frozen=True, kw_only=True):
+    namespace: Text
+    prefill_service: Text
+    decode_service: Text
+    revision_label: Text = "kvferry.io/revision"
+    tp_size: _TpSize = _TpSize()
+    poll_s: Positive = 5.0
 
 
-def _port(value: Any, path: str) -> int:
-    port = _positive(value, path, int)
-    if port > 65535:
-        raise ConfigError(f"{path}: port {port} is out of range 1-65535")
-    return port
+class _Discovery(_Section, frozen=True, kw_only=True):
+    static: _Static | None = None
+    kubernetes: _Kubernetes | None = None
 
 
-def _url(value: Any, path: str) -> str:
-    url = _str(value, path)
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{path}: {url!r} is not an http(s) URL with a host")
-    return url.rstrip("/")
+class _File(_Section, frozen=True, kw_only=True):
+    listen: _Listen = _Listen()
+    mode: Mode
+    model: Text | None = None
+    policy: Policy = "least-loaded"
+    deadlines: Deadlines = Deadlines()
+    limits: Limits = Limits()
+    discovery: _Discovery
+    auth: AuthConfig | None = None
 
 
-def _endpoint(value: Any, path: str, role: str) -> Endpoint:
-    keys = {"url", "engine_id", "side_host", "side_port", "tp_size", "revision"}
-    raw = _mapping(value, path, keys, {"url", "engine_id", "side_host", "side_port"})
-    return Endpoint(
-        role=role,
-        url=_url(raw["url"], f"{path}.url"),
-        engine_id=_str(raw["engine_id"], f"{path}.engine_id"),
-        side_host=_str(raw["side_host"], f"{path}.side_host"),
-        side_port=_port(raw["side_port"], f"{path}.side_port"),
-        tp_size=_positive(raw.get("tp_size", 1), f"{path}.tp_size", int),
-        revision=str(raw.get("revision", "")),
+def parse_config(raw: Any) -> RouterConfig:
+    """Validate a decoded router.yaml document."""
+    discovery = raw.get("discovery") if isinstance(raw, dict) else None
+    if isinstance(discovery, dict) and {"static", "kubernetes"} <= discovery.keys():  # before either's checks
+        raise ConfigError("discovery: give exactly one of static, kubernetes")
+    try:
+        doc = msgspec.convert(raw, _File)
+    except msgspec.ValidationError as exc:
+        raise _named(exc, raw) from None
+    for name in ("prefill_s", "decode_first_token_s"):
+        if getattr(doc.deadlines, name) > doc.deadlines.total_s:
+            raise ConfigError(
+                f"deadlines.{name}: {getattr(doc.deadlines, name)} exceeds total_s {doc.deadlines.total_s}"
+            )
+    found = doc.discovery
+    if (found.static is None) == (found.kubernetes is None):
+        raise ConfigError("discovery: give exactly one of static, kubernetes")
+    if doc.auth is not None and (doc.auth.api_key_env is None) == (doc.auth.api_key_file is None):
+        raise ConfigError("auth: give exactly one of api_key_env, api_key_file")
+    k = found.kubernetes
+    return RouterConfig(
+        mode=doc.mode,
+        host=doc.listen.host,
+        port=doc.listen.port,
+        model=doc.model,
+        policy=doc.policy,
+        deadlines=doc.deadlines,
+        limits=doc.limits,
+        static=None if found.static is None else _static(found.static, "discovery.static"),
+        kubernetes=None
+        if k is None
+        else KubernetesDiscoveryConfig(
+            k.namespace,
+            k.prefill_service,
+            k.decode_service,
+            k.revision_label,
+            msgspec.structs.asdict(k.tp_size),
+            k.poll_s,
+        ),
+        auth=doc.auth or AuthConfig(),
     )
 
 
-def _static(value: Any, path: str) -> dict[str, tuple[Endpoint, ...]]:
-    raw = _mapping(value, path, set(ROLES), set(ROLES))
-    out: dict[str, tuple[Endpoint, ...]] = {}
-    for role in ROLES:
-        items = raw[role]
-        if not isinstance(items, list) or not items:
-            raise ConfigError(f"{path}.{role}: expected a non-empty list of endpoints")
-        out[role] = tuple(_endpoint(item, f"{path}.{role}[{i}]", role) for i, item in enumerate(items))
+def _static(static: _Static, path: str) -> dict[str, tuple[Endpoint, ...]]:
+    out = {
+        role: tuple(_endpoint(e, role, f"{path}.{role}[{i}]") for i, e in enumerate(getattr(static, role)))
+        for role in ROLES
+    }
     engine_ids = [e.engine_id for role in ROLES for e in out[role]]
     dupes = sorted({e for e in engine_ids if engine_ids.count(e) > 1})
     if dupes:
@@ -173,74 +219,72 @@ def _static(value: Any, path: str) -> dict[str, tuple[Endpoint, ...]]:
     return out
 
 
-def _kubernetes(value: Any, path: str) -> KubernetesDiscoveryConfig:
-    keys = {"namespace", "prefill_service", "decode_service", "revision_label", "tp_size", "poll_s"}
-    raw = _mapping(value, path, keys, {"namespace", "prefill_service", "decode_service"})
-    tp_raw = _mapping(raw.get("tp_size", {}), f"{path}.tp_size", set(ROLES))
-    tp = {role: _positive(tp_raw.get(role, 1), f"{path}.tp_size.{role}", int) for role in ROLES}
-    return KubernetesDiscoveryConfig(
-        namespace=_str(raw["namespace"], f"{path}.namespace"),
-        prefill_service=_str(raw["prefill_service"], f"{path}.prefill_service"),
-        decode_service=_str(raw["decode_service"], f"{path}.decode_service"),
-        revision_label=_str(raw.get("revision_label", "kvferry.io/revision"), f"{path}.revision_label"),
-        tp_size=tp,
-        poll_s=_positive(raw.get("poll_s", 5.0), f"{path}.poll_s"),
-    )
+def _endpoint(e: _Engine, role: str, path: str) -> Endpoint:
+    parts = urlsplit(e.url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{path}.url: {e.url!r} is not an http(s) URL with a host")
+    fields = msgspec.structs.asdict(e)
+    return Endpoint(role=role, **{**fields, "url": e.url.rstrip("/"), "revision": str(e.revision)})
 
 
-def _deadlines(value: Any, path: str) -> Deadlines:
-    names = {"prefill_s", "decode_first_token_s", "transfer_s", "total_s"}
-    raw = _mapping(value, path, names)
-    d = Deadlines(**{k: _positive(v, f"{path}.{k}") for k, v in raw.items()})
-    for name in ("prefill_s", "decode_first_token_s"):
-        if getattr(d, name) > d.total_s:
-            raise ConfigError(f"{path}.{name}: {getattr(d, name)} exceeds total_s {d.total_s}")
-    return d
+# msgspec says `Expected `int` <= 65535 - at `$.listen.port``; the Meta's words say what that means here.
+_AT = re.compile(r"(?P<what>.*?)(?: - at (?:`key` in )?`\$(?P<path>.*)`)?", re.DOTALL)
+_STEP = re.compile(r"\.(\w+)|\[(\d+)\]")
+_FIELD = re.compile(r"Object (?P<kind>missing required|contains unknown) field `(?P<name>.*)`")
+_TYPE = re.compile(r"Expected `(?P<want>[^`]+)`, got `\w+`")
+_NOUNS = {
+    "object": "a mapping",
+    "array": "a list",
+    "str": "a string",
+    "int": "an integer",
+    "float": "a number",
+}
 
 
-def _limits(value: Any, path: str) -> Limits:
-    checks = {
-        "max_in_flight_per_engine": lambda v, p: _positive(v, p, int),
-        "recompute_ratio": _fraction,
-        "recompute_burst": _count,
-    }
-    raw = _mapping(value, path, set(checks))
-    return Limits(**{k: checks[k](v, f"{path}.{k}") for k, v in raw.items()})
+def _named(exc: msgspec.ValidationError, raw: Any) -> ConfigError:
+    match = _AT.fullmatch(str(exc))
+    assert match is not None  # the pattern matches any text
+    what, path = match["what"], match["path"] or ""
+    where = path.lstrip(".") or "config"
+    info: Any = mi.type_info(_File)
+    value = raw
+    for name, index in _STEP.findall(path):  # walk the declared type and the input to the bad value
+        info = _unwrap(info)[0]
+        if name:
+            info = next(f.type for f in info.fields if f.encode_name == name)
+            value = value.get(name) if isinstance(value, dict) else None
+        else:
+            info = info.item_type
+            value = value[int(index)] if isinstance(value, list) and int(index) < len(value) else None
+    info, words = _unwrap(info)
+    if m := _FIELD.fullmatch(what):
+        if m["kind"] == "missing required":
+            return ConfigError(f"{where}: missing required key(s) [{m['name']!r}]")
+        allowed = sorted(f.encode_name for f in info.fields)
+        return ConfigError(f"{where}: unknown key(s) [{m['name']!r}]; allowed: {allowed}")
+    if what.startswith("Invalid enum value"):
+        return ConfigError(f"{where}: {value!r} is not one of {list(info.values)}")
+    wrong_type = _TYPE.fullmatch(what)
+    said = words.get("type_error" if wrong_type and "type_error" in words else "error")
+    if said:
+        return ConfigError(
+            f"{where}: " + (said.format(value=value) if "{value" in said else f"{said}, got {value!r}")
+        )
+    if wrong_type:
+        want = " or ".join(_NOUNS.get(w, w) for w in wrong_type["want"].split(" | "))
+        got = type(value).__name__ if isinstance(value, dict | list) else repr(value)
+        return ConfigError(f"{where}: expected {want}, got {got}")
+    return ConfigError(f"{where}: {what}")
 
 
-def _auth(value: Any, path: str) -> AuthConfig:
-    raw = _mapping(value, path, {"api_key_env", "api_key_file"})
-    if len(raw) != 1:
-        raise ConfigError(f"{path}: give exactly one of api_key_env, api_key_file")
-    key, source = next(iter(raw.items()))
-    return AuthConfig(**{key: _str(source, f"{path}.{key}")})
-
-
-def parse_config(raw: Any) -> RouterConfig:
-    """Validate a decoded router.yaml document."""
-    keys = {"listen", "mode", "model", "policy", "deadlines", "limits", "discovery", "auth"}
-    doc = _mapping(raw, "config", keys, {"mode", "discovery"})
-    listen = _mapping(doc.get("listen", {}), "listen", {"host", "port"})
-    discovery = _mapping(doc["discovery"], "discovery", {"static", "kubernetes"})
-    if len(discovery) != 1:
-        raise ConfigError("discovery: give exactly one of static, kubernetes")
-    model = doc.get("model")
-    return RouterConfig(
-        mode=_choice(doc["mode"], "mode", MODES),
-        host=_str(listen.get("host", "127.0.0.1"), "listen.host"),
-        port=_port(listen.get("port", 8000), "listen.port"),
-        model=None if model is None else _str(model, "model"),
-        policy=_choice(doc.get("policy", "least-loaded"), "policy", POLICIES),
-        deadlines=_deadlines(doc.get("deadlines", {}), "deadlines"),
-        limits=_limits(doc.get("limits", {}), "limits"),
-        static=_static(discovery["static"], "discovery.static") if "static" in discovery else None,
-        kubernetes=(
-            _kubernetes(discovery["kubernetes"], "discovery.kubernetes")
-            if "kubernetes" in discovery
-            else None
-        ),
-        auth=_auth(doc["auth"], "auth") if "auth" in doc else AuthConfig(),
-    )
+def _unwrap(info: Any) -> tuple[Any, dict[str, str]]:
+    """The type under an `| None` and a Meta, and the Meta's words."""
+    if isinstance(info, mi.UnionType):
+        types = [t for t in info.types if not isinstance(t, mi.NoneType)]
+        info = types[0] if len(types) == 1 else info
+    if isinstance(info, mi.Metadata):
+        return info.type, info.extra or {}
+    return info, {}
 
 
 def load_config(path: str | Path) -> RouterConfig:

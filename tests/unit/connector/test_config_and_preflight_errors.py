@@ -23,6 +23,11 @@ def test_defaults_are_for_efa():
         ({"progress_thread": 1}, "progress_thread: expected true/false"),
         ({"descriptors": "fast"}, "descriptors='fast'"),
         ({"poll_min_s": 1, "poll_max_s": 0.5}, "poll_min_s must be <= poll_max_s"),
+        ({"backends": []}, "backends=\\[\\] is not a non-empty list"),
+        ({"side_channel_port": True}, "side_channel_port=True is not a TCP port"),
+        ({"max_entries": 0}, "max_entries must be >= 1, got 0"),
+        ({"num_threads": -1}, "num_threads must be >= 0, got -1"),
+        ({"revision": None}, "revision: expected a string, got None"),
     ],
 )
 def test_bad_extra_config_names_the_key(extra, message):

@@ -64,6 +64,14 @@ def test_config_from_env_and_flags() -> None:
     assert (cfg.namespaces, cfg.standalone, cfg.metrics_interval) == (("a", "b"), True, 5.0)
     with pytest.raises(ValueError, match="KVFERRY_METRICS_INTERVAL"):
         OperatorConfig.from_env({"KVFERRY_METRICS_INTERVAL": "soon"})
+    with pytest.raises(ValueError, match=r"KVFERRY_RESYNC_INTERVAL='0': expected float > 0"):
+        OperatorConfig.from_env({"KVFERRY_RESYNC_INTERVAL": "0"})
+    with pytest.raises(ValueError, match=r"KVFERRY_METRICS_PORT='70000': expected int <= 65535"):
+        OperatorConfig.from_env({"KVFERRY_METRICS_PORT": "70000"})
+    with pytest.raises(ValueError, match="metrics URL 'ftp://x': must start with http"):
+        OperatorConfig.from_env({"KVFERRY_METRICS_URL": "ftp://x"})
+    # an empty variable is unset (the default), not an empty value
+    assert OperatorConfig.from_env({"KVFERRY_ROUTER_IMAGE": "", "KVFERRY_STANDALONE": ""}) == OperatorConfig()
     cfg, verbose = parse(["-n", "x", "-n", "y", "--standalone", "--priority", "7"])
     assert (cfg.namespaces, cfg.standalone, cfg.priority, verbose) == (("x", "y"), True, 7, False)
     with pytest.raises(SystemExit):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -55,6 +56,20 @@ def test_kubernetes_discovery_parses_with_defaults() -> None:
     cfg = parse_config(doc)
     assert cfg.kubernetes is not None and cfg.kubernetes.revision_label == "kvferry.io/revision"
     assert cfg.kubernetes.tp_size == {"prefill": 1, "decode": 1}
+    kube = doc["discovery"]["kubernetes"]
+    partial = parse_config(mutated(doc, ["discovery", "kubernetes", "tp_size"], {"decode": 2})).kubernetes
+    assert partial is not None and partial.tp_size == {"prefill": 1, "decode": 2}
+    for tp_size, message in (
+        ({"router": 2}, "tp_size: unknown key(s) ['router']"),
+        ({"prefill": 0}, "tp_size.prefill: expected a positive"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(f"discovery.kubernetes.{message}")):
+            parse_config(mutated(doc, ["discovery", "kubernetes"], {**kube, "tp_size": tp_size}))
+
+
+def test_an_unquoted_numeric_revision_is_a_string() -> None:
+    cfg = parse_config(mutated(VALID, ["discovery", "static", "decode", 0, "revision"], 1234))
+    assert cfg.static is not None and cfg.static["decode"][0].revision == "1234"
 
 
 def _broken(path: list[Any], value: Any) -> dict[str, Any]:
@@ -88,6 +103,15 @@ def _broken(path: list[Any], value: Any) -> dict[str, Any]:
         (["limits", "recompute_ratio"], True, "limits.recompute_ratio: expected a number from 0 to 1"),
         (["limits", "recompute_burst"], -1, "limits.recompute_burst: expected a non-negative integer"),
         (["limits", "max_queue"], 3, "limits: unknown key(s) ['max_queue']"),
+        (["listen", "port"], "80", "listen.port: expected an integer, got '80'"),
+        (["deadlines"], [60], "deadlines: expected a mapping, got list"),
+        (["auth"], {"api_key_env": ""}, "auth.api_key_env: expected a non-empty string"),
+        (["discovery", "static", "decode", 0, "revision"], [1], "decode[0].revision: expected"),
+        (
+            ["discovery", "static", "decode", 0],
+            "x",
+            "discovery.static.decode[0]: expected a mapping, got 'x'",
+        ),
     ],
 )
 def test_bad_config_names_the_path(path: list[Any], value: Any, message: str) -> None:
