@@ -1,15 +1,15 @@
 """Faults on a real P/D pair (upstream push, concurrent legs): every request ends within its deadline,
 by a local recompute (same greedy tokens as a single instance) or a clear error, never a hang.
 
-Runs last on its own pair because the final test kills the prefill engine.
+The tests share one pair and pass alone and in any order: each starts from a live, idle pair (an engine
+a previous test paused is resumed, one it killed is restarted, and nothing runs on the engines or the
+router), and steps inside a test wait for observed state (metrics), never for a guessed time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +19,9 @@ import httpx
 import pytest
 from kvferry.router.promtext import metric_sum, parse_metrics
 from kvferry.tools.pdstack import PdStack
+from kvferry.tools.serve import VllmProcess
+
+from tests.waiting import wait_until
 
 from .pdclient import completion_body
 
@@ -40,20 +43,52 @@ def _router_metrics(pd: PdStack) -> dict[str, float]:
     return parse_metrics(httpx.get(pd.url + "/metrics", timeout=10).text)
 
 
+def _requests(server: VllmProcess) -> float:
+    """Requests the engine is running or has queued."""
+    m = server.metrics()
+    return metric_sum(m, "vllm:num_requests_running") + metric_sum(m, "vllm:num_requests_waiting")
+
+
+def _busy(pd: PdStack) -> dict[str, float]:
+    """What still runs: requests on each engine, legs in flight and detached prefills on the router."""
+    router = _router_metrics(pd)
+    legs = metric_sum(router, "kvferry_router_in_flight") + metric_sum(
+        router, "kvferry_router_detached_prefills"
+    )
+    return {
+        "prefill": _requests(pd.server("prefill")),
+        "decode": _requests(pd.server("decode")),
+        "router": legs,
+    }
+
+
+@pytest.fixture(autouse=True)
+def live_and_idle(stack: PdStack) -> None:
+    """Each test starts from a live, idle pair, whatever ran before it."""
+    for role in list(stack.paused):
+        stack.resume(role)
+    for role in stack.exited():
+        stack.restart(role)
+        stack.warm_up()  # the restarted engine's first NIXL handshake, as after start()
+    wait_until(
+        lambda: _busy(stack),
+        "the pair idle",
+        60,
+        0.5,
+        until=lambda b: not any(b.values()),
+        ignore=(httpx.HTTPError,),
+    )
+
+
 def _wait_idle(pd: PdStack, timeout_s: float = 20.0) -> None:
     """D has no running or waiting request left (aborted requests were really dropped)."""
-    assert pd.decode is not None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        m = pd.decode.metrics()
-        if metric_sum(m, "vllm:num_requests_running") + metric_sum(m, "vllm:num_requests_waiting") == 0:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"decode still busy {timeout_s}s after the client left")
-
-
-def _signal(proc: Any, sig: signal.Signals) -> None:
-    os.killpg(proc.proc.pid, sig)
+    wait_until(
+        lambda: _requests(pd.server("decode")),
+        "decode idle after the client left",
+        timeout_s,
+        0.5,
+        until=lambda n: n == 0,
+    )
 
 
 def test_client_disconnect_mid_stream_aborts_decode_cleanly(
@@ -84,10 +119,14 @@ def test_client_abort_before_first_token_lets_prefill_finish(
     before = metric_sum(stack.prefill.metrics(), "vllm:generation_tokens_total")
     with pytest.raises(httpx.TimeoutException):
         httpx.post(stack.url + "/v1/completions", json=completion_body(1500), timeout=0.05)
-    deadline = time.monotonic() + 20
-    while metric_sum(stack.prefill.metrics(), "vllm:generation_tokens_total") == before:
-        assert time.monotonic() < deadline, "the prefill leg was cancelled with its client"
-        time.sleep(0.3)
+    # The prefill leg goes on without its client (cancelling it would strand decode).
+    wait_until(
+        lambda: metric_sum(stack.prefill.metrics(), "vllm:generation_tokens_total"),
+        "the prefill leg to finish after its client left",
+        20,
+        0.3,
+        until=lambda n: n > before,
+    )
     _wait_idle(stack)
     after = httpx.post(stack.url + "/v1/completions", json=completion_body(300), timeout=60).json()
     assert after["choices"][0]["token_ids"] == reference["len300"]["token_ids"]
@@ -96,14 +135,13 @@ def test_client_abort_before_first_token_lets_prefill_finish(
 def test_decode_that_never_registers_is_recomputed_on_prefill(
     stack: PdStack, reference: dict[str, Any]
 ) -> None:
-    assert stack.decode is not None
-    _signal(stack.decode, signal.SIGSTOP)  # D accepts connections but never registers or answers
+    stack.pause("decode")  # D accepts connections but never registers or answers
     try:
         start = time.monotonic()
         resp = httpx.post(stack.url + "/v1/completions", json=completion_body(129, stream=True), timeout=60)
         elapsed = time.monotonic() - start
     finally:
-        _signal(stack.decode, signal.SIGCONT)
+        stack.resume("decode")
     assert resp.status_code == 200, resp.text
     assert resp.headers["X-Kvferry-Recomputed"] == "decode_timeout"
     assert elapsed < DEADLINES["decode_first_token_s"] + 15
@@ -119,15 +157,18 @@ def test_decode_that_never_registers_is_recomputed_on_prefill(
 def test_prefill_killed_mid_request_is_recomputed_on_decode(
     stack: PdStack, reference: dict[str, Any]
 ) -> None:
-    assert stack.prefill is not None
-    time.sleep(6)  # let the decode engine's cool-down from the previous test pass
-    _signal(stack.prefill, signal.SIGSTOP)  # hold P inside the request, then kill it
+    stack.pause("prefill")  # hold P inside the request, then kill it
+
+    def legs_in_flight() -> dict[str, float]:
+        m = _router_metrics(stack)
+        return {role: metric_sum(m, "kvferry_router_in_flight", role=role) for role in ("prefill", "decode")}
 
     async def run() -> httpx.Response:
         async with httpx.AsyncClient(timeout=60) as client:
             call = asyncio.create_task(client.post(stack.url + "/v1/completions", json=completion_body(700)))
-            await asyncio.sleep(1.5)
-            _signal(stack.prefill, signal.SIGKILL)
+            sent = lambda legs: legs["prefill"] >= 1 and legs["decode"] >= 1  # noqa: E731
+            await asyncio.to_thread(wait_until, legs_in_flight, "both legs sent", 20, 0.1, until=sent)
+            stack.kill("prefill")
             return await call
 
     start = time.monotonic()
