@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import msgspec
-from kvferry.operator.render.objects import DEFAULT_ROUTER_IMAGE
+from kvferry.operator.render import images
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -73,10 +73,17 @@ class OperatorConfig:
     priority: int = setting(
         0, "KVFERRY_PRIORITY", "Peering priority; 0 = random, so identical replicas elect one leader."
     )
+    image_registry: Annotated[str, msgspec.Meta(pattern=images.REGISTRY_PATTERN)] = setting(
+        images.DEFAULT_REGISTRY,
+        "KVFERRY_IMAGE_REGISTRY",
+        "Registry of the kvferry images (the chart's image.registry): the p5/p5en presets' engine image "
+        "<registry>/vllm and the default router image <registry>/operator.",
+    )
     router_image: str = setting(
-        DEFAULT_ROUTER_IMAGE,
+        "",
         "KVFERRY_ROUTER_IMAGE",
-        "Router image when a CR sets none (the operator image holds the router).",
+        "Router (and injector) image when a CR sets none; empty = <registry>/operator:<version> (the "
+        "operator image holds the router). The chart sets the operator's own image.",
     )
     operator_namespace: str = setting(
         "kvferry-system",

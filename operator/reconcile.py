@@ -104,6 +104,7 @@ def reconcile(
     try:
         rendered = render(
             cr,
+            registry=cfg.image_registry,
             router_image=cfg.router_image,
             observed_replicas=observed_replicas(kube, cr),
             operator_namespace=cfg.operator_namespace,
@@ -186,7 +187,10 @@ def on_owned_change(
         desired = {
             (o["kind"], o["metadata"]["name"]): o
             for o in render(
-                cr, router_image=cfg.router_image, operator_namespace=cfg.operator_namespace
+                cr,
+                registry=cfg.image_registry,
+                router_image=cfg.router_image,
+                operator_namespace=cfg.operator_namespace,
             ).objects
         }
     except SpecError:

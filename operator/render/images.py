@@ -11,6 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 DEFAULT_REGISTRY = "ghcr.io/kvferry"
+# What a registry value may be (host[:port]/path, lower case as image references need): the chart's
+# values.schema.json and the operator's KVFERRY_IMAGE_REGISTRY check the same pattern.
+REGISTRY_PATTERN = r"^[a-z0-9]([a-z0-9._:-]*[a-z0-9])?(/[a-z0-9]([a-z0-9._-]*[a-z0-9])?)*$"
 VERSION = "0.1.0"  # kvferry's version: pyproject.toml, charts/kvferry/Chart.yaml appVersion
 VLLM_VERSION = "0.32.0"  # the upstream vllm/vllm-openai images/vllm/Dockerfile builds on
 

@@ -3,12 +3,14 @@ those names, the chart and the operator pull them from one registry value, and t
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from kvferry.operator.config import OperatorConfig
 from kvferry.operator.render import images
 from kvferry.operator.render.objects import render
 
@@ -109,3 +111,16 @@ def test_a_preset_names_a_kvferry_image_that_exists() -> None:
     assert images.resolve("public.ecr.aws/neuron/x:1") == "public.ecr.aws/neuron/x:1"
     with pytest.raises(ValueError, match="no kvferry image 'vllm-cpu'"):
         images.resolve({"kvferry": "vllm-cpu"})
+
+
+def test_the_registry_value_is_checked_alike_by_the_chart_and_the_operator() -> None:
+    schema = json.loads((ROOT / "charts/kvferry/values.schema.json").read_text())
+    assert schema["properties"]["image"]["properties"]["registry"]["pattern"] == images.REGISTRY_PATTERN
+    config = OperatorConfig.from_env({"KVFERRY_IMAGE_REGISTRY": "registry.example.com:5000/team/kvferry"})
+    assert config.image_registry == "registry.example.com:5000/team/kvferry"
+    assert OperatorConfig.from_env({}).image_registry == images.DEFAULT_REGISTRY
+    with pytest.raises(ValueError, match="KVFERRY_IMAGE_REGISTRY='Registry/KV'"):
+        OperatorConfig.from_env({"KVFERRY_IMAGE_REGISTRY": "Registry/KV"})
+    chart = (ROOT / "charts/kvferry/templates/operator-deployment.yaml").read_text()
+    chart_env = set(re.findall(r"name: (KVFERRY_\w+)", chart))
+    assert {"KVFERRY_IMAGE_REGISTRY", "KVFERRY_ROUTER_IMAGE"} <= chart_env
