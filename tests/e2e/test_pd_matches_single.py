@@ -1,5 +1,7 @@
 """Greedy outputs through router -> prefill + decode equal a single vLLM instance, token for token,
-for every connector mode that exists, and decode really received the KV (it did not recompute).
+for every connector mode that exists; every request is answered and every recompute counted; and
+decode really received the KV (it did not recompute): always for kvferry, for the upstream baselines
+on a run where they lost no transfer.
 
 With different block sizes on P and D, decode's attention runs over other blocks than the single
 instance's, so its float results differ in the last bits; greedy outputs may then part where the
@@ -25,17 +27,16 @@ from .pdclient import PROMPT_LENGTHS, compare_greedy, outputs, requests
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 # (mode, prefill block size, decode block size); kvferry cases join once its connector exists.
-# Upstream NixlPushConnector is a baseline, not kvferry: its known wedges and prefill crashes under
-# concurrency (shared/reference/upstream-sweep.md; seen in CI 2026-12-01 as a refused prefill
-# connection) must not turn the test command red. Its run still executes and reports (xfail/xpass).
-UPSTREAM_PUSH = pytest.param(
-    ("vllm-push", None, None),
-    id="vllm-push",
-    marks=pytest.mark.xfail(strict=False, reason="upstream NixlPushConnector wedges or crashes under load"),
-)
-CASES = [("vllm-pull", None, None), UPSTREAM_PUSH]
+CASES = [("vllm-pull", None, None), ("vllm-push", None, None)]
 if kvferry_connector_available():
     CASES += [("kvferry", None, None), ("kvferry", 128, 64)]
+# Upstream connectors are baselines: the test holds them to what they guarantee through the router
+# (every request answered with the single instance's tokens, a failed transfer counted as a recompute),
+# not to what they do on a good day. Upstream push wedges silently under concurrency, worst while its
+# first handshakes run (shared/reference/upstream-sweep.md); the router's transfer bound turns each
+# wedged request into a recompute (a fresh clone, 2026-12-01: 7 of 11). kvferry's own mode must move the
+# KV of every request.
+UPSTREAM = {"vllm-pull", "vllm-push"}
 MAX_TIES = 2  # of the 11 fixed requests; more would mean the comparison no longer checks much
 
 
@@ -44,7 +45,7 @@ def _case_id(case: tuple[str, int | None, int | None]) -> str:
     return mode if pb is None else f"{mode}-P{pb}-D{db}"
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: _case_id(c) if isinstance(c, tuple) else c)
+@pytest.fixture(scope="module", params=CASES, ids=_case_id)
 def stack(
     request: pytest.FixtureRequest, reference: Any, tiny_model: Path, tmp_path_factory: Any
 ) -> Iterator[PdStack]:
@@ -64,34 +65,41 @@ def test_outputs_equal_single_instance_and_decode_received_kv(
 ) -> None:
     assert stack.decode is not None and stack.prefill is not None
     d_before, p_before = stack.decode.metrics(), stack.prefill.metrics()
+    r_before = _router_metrics(stack)
 
-    got = outputs(stack.url, concurrency=4)
+    got = outputs(stack.url, concurrency=4)  # every request answered 200, or it raises
 
     mismatches, ties = compare_greedy(reference, got, gaps)
     assert not mismatches, f"P/D outputs differ from the single instance: {mismatches}"
     assert len(ties) <= MAX_TIES, ties
     d_after, p_after = stack.decode.metrics(), stack.prefill.metrics()
+    r_after = _router_metrics(stack)
     n = len(requests())
 
     def delta(after: dict[str, float], before: dict[str, float], name: str, **labels: str) -> float:
         return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
 
+    # The router's books: every request ended answered (ok or recomputed), and each recompute counted.
+    ok = delta(r_after, r_before, "kvferry_router_requests_total", outcome="ok")
+    recomputed = delta(r_after, r_before, "kvferry_router_requests_total", outcome="recomputed")
+    answered = delta(r_after, r_before, "kvferry_router_requests_total")
+    recomputes = delta(r_after, r_before, "kvferry_router_recomputes_total")
+    books = {"ok": ok, "recomputed": recomputed, "all": answered, "recomputes": recomputes}
+    assert ok + recomputed == answered == n, books
+    assert recomputes >= recomputed, books  # (a request whose first recompute broke counts two)
+    if stack.mode in UPSTREAM and recomputes:
+        return  # a baseline that lost transfers: answered and counted is all it guarantees
+    # No recompute: decode computed (almost) nothing itself, every prompt token but at most one per
+    # request came over NIXL, and P ran exactly the 1-token prefill legs.
+    assert recomputes == 0, f"{stack.mode} recomputed {recomputes} times in {n} requests instead of moving KV"
     external = delta(d_after, d_before, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
     local = delta(d_after, d_before, "vllm:prompt_tokens_by_source_total", source="local_compute")
     prompt = delta(d_after, d_before, "vllm:prompt_tokens_total")
-    router = parse_metrics(httpx.get(stack.url + "/metrics").text)
-    recomputed = metric_sum(router, "kvferry_router_recomputes_total")
-    assert metric_sum(router, "kvferry_router_requests_total", outcome="ok") >= n
     assert local <= n, f"decode computed {local} prompt tokens locally: it recomputed instead of loading KV"
-    if stack.mode == "vllm-push" and recomputed:
-        # Upstream NixlPushConnector wedges silently under concurrency: D waits for a write that never
-        # comes (shared/reference/upstream-sweep.md). The router's transfer deadline turns each such
-        # request into a counted recompute; the outputs above are still exact, and most KV still moved.
-        assert recomputed < n, f"upstream push delivered no KV at all ({recomputed} recomputes)"
-        return
-    # D computed (almost) nothing itself: every prompt token but at most one per request came over NIXL.
     assert prompt >= sum(PROMPT_LENGTHS), prompt
     assert external >= prompt - n, (external, prompt)
-    # P ran exactly the 1-token prefill legs.
     assert delta(p_after, p_before, "vllm:generation_tokens_total") == n
-    assert recomputed == 0
+
+
+def _router_metrics(stack: PdStack) -> dict[str, float]:
+    return parse_metrics(httpx.get(stack.url + "/metrics", timeout=10).text)

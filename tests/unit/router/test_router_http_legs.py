@@ -8,6 +8,7 @@ import time
 
 import aiohttp
 from aiohttp.test_utils import TestClient
+from kvferry.router.promtext import metric_sum, parse_metrics
 
 from tests.unit.router.engines import FakeEngine, run
 from tests.waiting import wait_until_async
@@ -60,6 +61,8 @@ def test_prefill_failure_recomputes_on_decode() -> None:
         assert "kv_transfer_params" not in d.seen[-1]["body"], "recompute is a plain local request"
         metrics = await (await client.get("/metrics")).text()
         assert 'kvferry_router_recomputes_total{reason="prefill_unreachable"} 1.0' in metrics
+        # The request's own outcome says so too (the e2e baselines' books rely on both counts).
+        assert metric_sum(parse_metrics(metrics), "kvferry_router_requests_total", outcome="recomputed") == 1
 
     async def kill_prefill_then_check(client: TestClient, p: FakeEngine, d: FakeEngine) -> None:
         await p.server.close()
