@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,8 @@ import pytest
 from kvferry.router.promtext import metric_sum
 from kvferry.tools.pdstack import RouterProcess
 from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
+
+from tests.waiting import wait_until
 
 from .pdclient import completion_body, kvferry_legs
 
@@ -151,14 +152,15 @@ def _pending(server: VllmProcess) -> float:
     return metric_sum(server.metrics(), "kvferry_pending")
 
 
-def _settled(pd: dict, timeout_s: float = 60.0) -> bool:
+def _settled(pd: dict, timeout_s: float = 60.0) -> dict[str, float]:
     """Every kvferry_pending series of both engines back to 0 (nothing held, nothing waiting)."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if _pending(pd["prefill"]) == 0 and _pending(pd["decode"]) == 0:
-            return True
-        time.sleep(0.5)
-    return False
+    return wait_until(
+        lambda: {role: _pending(pd[role]) for role in ("prefill", "decode")},
+        "kvferry_pending 0 on both engines",
+        timeout_s,
+        0.5,
+        until=lambda pending: not any(pending.values()),
+    )
 
 
 def test_a_second_request_with_a_live_kvferry_key_is_refused_and_the_first_is_served(pd, reference):
@@ -168,10 +170,15 @@ def test_a_second_request_with_a_live_kvferry_key_is_refused_and_the_first_is_se
     prefill, decode, rid = legs(pd, 700)
     p_url, d_url = pd["prefill"].url + "/v1/completions", pd["decode"].url + "/v1/completions"
 
+    receiving = lambda: metric_sum(pd["decode"].metrics(), "kvferry_pending", kind="receives")  # noqa: E731
+    before = receiving()
+
     async def run() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as client:
             first = asyncio.create_task(client.post(d_url, json=decode, headers={"X-Request-Id": rid}))
-            await asyncio.sleep(1.0)  # the first has registered
+            await asyncio.to_thread(  # D's connector holds the first (its key is live)
+                wait_until, receiving, "decode to expect the first", 60, 0.1, until=lambda n: n > before
+            )
             second = await client.post(d_url, json=decode, headers={"X-Request-Id": rid + "-replay"})
             p = await client.post(p_url, json=prefill, headers={"X-Request-Id": rid})
             return await first, second, p
@@ -181,7 +188,7 @@ def test_a_second_request_with_a_live_kvferry_key_is_refused_and_the_first_is_se
     assert "duplicate kvferry key" in pd["decode"].log_tail(200_000)
     assert p.status_code == 200 and first.status_code == 200, (p.text[:300], first.text[:300])
     assert first.json()["choices"][0]["token_ids"] == reference["len700"]["token_ids"]
-    assert _settled(pd)
+    _settled(pd)
 
 
 def test_a_transfer_that_fails_reaches_the_client_as_a_recomputed_answer(
@@ -219,10 +226,8 @@ def test_a_transfer_that_fails_reaches_the_client_as_a_recomputed_answer(
     assert (
         metric_sum(pd["decode"].metrics(), "kvferry_transfer_failures_total", reason="handshake_failed") >= 2
     )
-    end = time.monotonic() + 30
-    while _pending(pd["decode"]) and time.monotonic() < end:
-        time.sleep(0.5)
-    assert _pending(pd["decode"]) == 0  # (P holds the two prefills until their lease: D never came)
+    # (P holds the two prefills until their lease: D never came)
+    wait_until(lambda: _pending(pd["decode"]), "decode to hold nothing", 30, 0.5, until=lambda n: n == 0)
 
 
 @pytest.fixture
