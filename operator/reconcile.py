@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.operator import names, secrets
-from kvferry.operator.apply import Kube, KubeError
+from kvferry.operator.apply import Kube, KubeError, NotControlled
 from kvferry.operator.config import OperatorConfig
 from kvferry.operator.drift import drifted
 from kvferry.operator.render.objects import render
@@ -72,26 +72,6 @@ def flip_events(previous: dict[str, Any], new: dict[str, Any]) -> list[Event]:
     return events
 
 
-def foreign_owner(kube: Kube, obj: dict[str, Any], cr_uid: str) -> str | None:
-    """Why `obj`'s name is taken by an object this CR does not control, or None (absent or ours).
-
-    Server-side apply would otherwise merge into whatever holds the name and add our owner reference:
-    anyone allowed to create a CR could rewrite a Service, Role or ConfigMap of that name, and the
-    garbage collector would delete it with the CR. (Between this read and the apply someone could
-    still create the object: a window of one request, which only a create-only apply would close.)
-    """
-    meta = obj["metadata"]
-    existing = kube.get(obj["kind"], meta.get("namespace"), meta["name"])
-    if existing is None:
-        return None
-    refs = existing["metadata"].get("ownerReferences") or []
-    controller = next((r for r in refs if r.get("controller")), None)
-    if controller is not None and controller.get("uid") == cr_uid and cr_uid:
-        return None
-    who = f"{controller['kind']} {controller['name']}" if controller else "no controller"
-    return f"{obj['kind']} {meta['name']} exists and is not this DisaggregatedInference's (owner: {who})"
-
-
 def reconcile(
     kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, *, trigger: str, watched: Watched = no_watch
 ) -> Outcome:
@@ -125,15 +105,15 @@ def reconcile(
         out.events.append(("Warning", EventReason.SECRET_MISSING, secret_error))
 
     # Step 2: server-side apply every object we control; keep going past failures so one bad object
-    # blocks nothing. An object of a rendered name that this CR does not control is left untouched.
+    # blocks nothing. An object of a rendered name that this CR does not control is left untouched:
+    # apply writes only over what it has just read as this CR's, on that read's resourceVersion.
     applied: dict[tuple[str, str], dict[str, Any]] = {}
     errors, conflicts = [], []
     for obj in rendered.objects:
         try:
-            if (foreign := foreign_owner(kube, obj, meta.get("uid", ""))) is not None:
-                conflicts.append(foreign)
-                continue
             applied[(obj["kind"], obj["metadata"]["name"])] = kube.apply(obj)
+        except NotControlled as exc:
+            conflicts.append(str(exc))
         except KubeError as exc:
             if exc.namespace_terminating:
                 log.info("namespace %s is being deleted: not reconciling %s", ns, name)
