@@ -22,9 +22,13 @@ from typing import Any
 
 import httpx
 import pytest
-from kvferry.local.demo.stack import Stack, demo_cr, pod_ready, wait_until
+from kvferry.local.demo.stack import Stack, demo_cr, pod_ready
 from kvferry.local.demo.traffic import REQUEST_TIMEOUT_S, complete, fixed_prompts, greedy_texts
 from kvferry.local.nodeagent import image
+from kvferry.local.nodeagent.kube import KubeError
+from kvferry.router.promtext import metric_sum, parse_metrics
+
+from tests.waiting import wait_until
 
 # Setup runs a single vLLM, then the control plane and two vLLM pods: minutes on two busy cores.
 pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.timeout(1800)]
@@ -57,7 +61,7 @@ def single_outputs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until("single vLLM /health", lambda: _healthy(url, proc, work), SINGLE_READY_S)
+        wait_until(lambda: _healthy(url, proc, work), "single vLLM /health", SINGLE_READY_S)
         return greedy_texts(url, fixed_prompts())
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -120,7 +124,7 @@ def router(stack: Stack) -> str:
         roles = {p["metadata"]["labels"].get("kvferry.io/role") for p in stack.pods(NS) if pod_ready(p)}
         return stack.router_url(NS, NAME) if {"prefill", "decode", "router"} <= roles else None
 
-    return wait_until("prefill, decode and router pods Ready", ready, PODS_READY_S)
+    return wait_until(ready, "prefill, decode and router pods Ready", PODS_READY_S, ignore=(KubeError,))
 
 
 def _condition(cr: dict[str, Any], kind: str) -> str | None:
@@ -128,6 +132,13 @@ def _condition(cr: dict[str, Any], kind: str) -> str | None:
         if cond["type"] == kind:
             return cond["status"]
     return None
+
+
+def _in_flight(router: str) -> float:
+    """Legs the router has in flight to the engines."""
+    return metric_sum(
+        parse_metrics(httpx.get(router + "/metrics", timeout=10).text), "kvferry_router_in_flight"
+    )
 
 
 def _transfer(stack: Stack) -> dict[str, Any]:
@@ -157,7 +168,12 @@ def test_outputs_through_router_equal_single_instance_and_status_counts_transfer
         ok = int(t.get("transfers") or 0) >= before + len(single_outputs)
         return cr if ok and _condition(cr, "TransferHealthy") == "True" else None
 
-    cr = wait_until("status.transfer to count the transfers, TransferHealthy=True", counted, STATUS_S)
+    cr = wait_until(
+        counted,
+        "status.transfer to count the transfers, TransferHealthy=True",
+        STATUS_S,
+        ignore=(KubeError,),
+    )
     assert int(cr["status"]["transfer"].get("failures") or 0) == 0
     assert "transfers" in stack.kubectl_get(NS).lower() or NAME in stack.kubectl_get(NS)
 
@@ -180,7 +196,7 @@ def test_killed_prefill_process_restarts_and_status_recovers(stack: Stack, route
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = [pool.submit(one, p) for p in prompts]
-        time.sleep(0.5)
+        wait_until(lambda: _in_flight(router), "requests in flight through the router", 60, 0.05)
         os.killpg(pid, signal.SIGKILL)
         results = [f.result(timeout=REQUEST_TIMEOUT_S + 30) for f in futures]
     assert all(elapsed < REQUEST_TIMEOUT_S + 5 for _, elapsed in results), results
@@ -189,13 +205,14 @@ def test_killed_prefill_process_restarts_and_status_recovers(stack: Stack, route
         pods = [p for p in stack.pods(NS, "kvferry.io/role=prefill") if pod_ready(p)]
         return bool(pods) and pods[0]["status"]["containerStatuses"][0]["restartCount"] > restarts
 
-    wait_until("prefill container restarted and Ready again", restarted, PODS_READY_S)
+    wait_until(restarted, "prefill container restarted and Ready again", PODS_READY_S, ignore=(KubeError,))
     if not all(ok for ok, _ in results):
         # A request that lost its prefill shows up as a failed transfer (from the decode side).
         wait_until(
-            "status.transfer.failures to count the lost transfers",
             lambda: int(_transfer(stack).get("failures") or 0) > failures_before,
+            "status.transfer.failures to count the lost transfers",
             STATUS_S,
+            ignore=(KubeError,),
         )
 
     # New requests succeed again once the router's discovery sees the restarted prefill Ready in its
@@ -206,10 +223,11 @@ def test_killed_prefill_process_restarts_and_status_recovers(stack: Stack, route
         except httpx.HTTPError:
             return False
 
-    wait_until("the router to serve again after the prefill restart", serves_again, STATUS_S)
+    wait_until(serves_again, "the router to serve again after the prefill restart", STATUS_S)
     wait_until(
-        "TransferHealthy=True after recovery",
         lambda: _condition(stack.get_cr(NS, NAME), "TransferHealthy") == "True",
+        "TransferHealthy=True after recovery",
         STATUS_S,
+        ignore=(KubeError,),
     )
     print("in-flight results (ok, seconds):", results, "status.transfer:", _transfer(stack), file=sys.stderr)
