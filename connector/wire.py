@@ -27,9 +27,11 @@ from typing import Annotated, Any, Union
 
 import msgspec
 from kvferry.connector.layout import KVLayout, LayoutError, PlaneMap, Region
+from kvferry.contracts import versions
 
-PROTOCOL_VERSION = 4
-MAGIC = b"KVF\x04"  # the last byte is PROTOCOL_VERSION, so a mismatched peer fails on the first byte check
+# Defined once in contracts/versions.py: the operator's revision pins the same number.
+PROTOCOL_VERSION = versions.WIRE_PROTOCOL_VERSION
+MAGIC = b"KVF" + bytes([PROTOCOL_VERSION])  # a mismatched peer fails on the first byte check
 
 Count = Annotated[int, msgspec.Meta(ge=0)]  # every count, rank, port and block id on the wire
 
