@@ -180,8 +180,9 @@ class PdStack:
         try:
             self.prefill = self._server("prefill", "0", self.prefill_block_size).start()
             self.decode = self._server("decode", "1", self.decode_block_size).start()
-            self.prefill.wait_ready(ready_timeout_s)
-            self.decode.wait_ready(ready_timeout_s)
+            # The router config is written after both are healthy: a lost port race may re-pick ports.
+            self.prefill.wait_ready(ready_timeout_s, new_ports=True)
+            self.decode.wait_ready(ready_timeout_s, new_ports=True)
             # NIXL's worker init re-pins the model thread to the last core; put each back on its own.
             self.prefill.pin()
             self.decode.pin()

@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -42,6 +42,7 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ROLES = ("single", "prefill", "decode")
 PORT_TAKEN = "Address already in use"
 LOG_SCAN_CHARS = 20000  # a start-up traceback and vLLM's shutdown noise after it
+LOG_SCAN_EVERY_S = 5.0  # how often a starting server's log is checked for a lost port race
 UPSTREAM_CONNECTORS = ("NixlConnector", "NixlPushConnector")
 KVFERRY_CONNECTOR = "KvferryConnector"
 # --dtype values; "auto" serves a float32 checkpoint as bfloat16 on CPU (vLLM downcasts float32).
@@ -222,23 +223,28 @@ class VllmProcess:
         )
         return self
 
-    def wait_ready(self, timeout_s: float = 600.0) -> VllmProcess:
+    def wait_ready(self, timeout_s: float = 600.0, *, new_ports: bool = False) -> VllmProcess:
         """Poll /health until 200; raise with the log tail if the process dies or time runs out.
 
-        Restarts once when vLLM died on a port another process took first: servers starting at once
-        can pick the same free port for vLLM's internal ZMQ sockets (seen in CI: `ZMQError: Address
-        already in use`); a second start picks again."""
+        Restarts once when vLLM lost a port race: servers starting at once can pick the same free port
+        (seen in CI: `ZMQError: Address already in use`). vLLM's own ZMQ sockets make it exit; an
+        upstream connector's side-channel listener thread dies and leaves the server hanging, so the
+        log is watched while waiting too. A second start picks vLLM's internal ports again, and with
+        `new_ports` (nothing has been told this server's ports yet) its HTTP and side ports as well."""
         try:
             return self._wait_healthy(timeout_s)
         except RuntimeError:
             if PORT_TAKEN not in self.log_tail(LOG_SCAN_CHARS):
                 raise
         self.stop()
+        if new_ports:
+            side = free_port(self.spec.host) if self.spec.side_port is not None else None
+            self.spec = replace(self.spec, port=free_port(self.spec.host), side_port=side)
         return self.start()._wait_healthy(timeout_s)
 
     def _wait_healthy(self, timeout_s: float) -> VllmProcess:
         assert self.proc is not None, "start() first"
-        deadline = time.monotonic() + timeout_s
+        deadline, next_scan = time.monotonic() + timeout_s, time.monotonic() + LOG_SCAN_EVERY_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
@@ -249,6 +255,10 @@ class VllmProcess:
                     return self
             except httpx.HTTPError:
                 pass
+            if time.monotonic() >= next_scan:
+                next_scan = time.monotonic() + LOG_SCAN_EVERY_S
+                if PORT_TAKEN in self.log_tail(LOG_SCAN_CHARS):
+                    raise RuntimeError(f"vLLM {self.spec.role} lost a port race: {self.log_tail()}")
             time.sleep(0.5)
         raise TimeoutError(f"vLLM {self.spec.role} not healthy after {timeout_s:.0f}s: {self.log_tail()}")
 

@@ -4,6 +4,7 @@ space, offline hub, kv-transfer config per role and connector, and clear errors 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,30 @@ def test_other_deaths_and_a_second_port_race_are_raised() -> None:
     with pytest.raises(RuntimeError, match="Address already in use"):
         twice.wait_ready(1)
     assert twice.starts == 1
+
+
+def test_a_lost_port_race_with_new_ports_repicks_the_http_and_side_ports() -> None:
+    server = _Scripted(["Address already in use"])
+    server.spec = ServerSpec(model=Path("/m"), port=1, side_port=2)
+    server.wait_ready(1, new_ports=True)
+    assert server.spec.port not in (1, 2) and server.spec.side_port not in (1, 2, None)
+
+
+def test_a_server_hanging_after_a_lost_port_race_is_caught_while_it_still_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Upstream push's side-channel listener dies on a taken port and leaves vLLM running, unhealthy."""
+    from kvferry.tools import serve
+
+    monkeypatch.setattr(serve, "LOG_SCAN_EVERY_S", 0.0)
+    log = tmp_path / "prefill.log"
+    log.write_text("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:5600')\n")
+    server = VllmProcess(ServerSpec(model=Path("/m"), port=serve.free_port()), log)
+    server.proc = subprocess.Popen(["sleep", "30"])
+    try:
+        with pytest.raises(RuntimeError, match="lost a port race"):
+            server._wait_healthy(20)
+        assert server.proc.poll() is None  # still running: only the log told
+    finally:
+        server.proc.kill()
+        server.proc.wait()
