@@ -155,6 +155,11 @@ class ProducerCore:
         for (k, rank), (reg, _, deadline) in list(self.parked.items()):
             if k == key:
                 del self.parked[(k, rank)]
+                # The eviction above may have dropped this very entry (every older one has a WRITE
+                # in flight): its waiting consumers are told, as for any evicted entry.
+                if key not in self.finished:
+                    out.append(SendFailure(reg, "producer_overloaded"))
+                    continue
                 out += self._accept(key, reg, now, deadline)
         return out
 
@@ -171,6 +176,11 @@ class ProducerCore:
     def registration(self, reg: Registration, now: float, deadline: float = float("inf")) -> list[Action]:
         """`deadline`: the consumer's deadline on this clock; no WRITE for `reg` starts after it."""
         key = (reg.request_id, reg.attempt)
+        if key in self.finished and reg.consumer_rank in self.finished[key].regs:
+            # First: a copy of a registration whose WRITE is under way (or done) is answered by that
+            # WRITE. A Failure for it (superseded, deadline) could reach the consumer before the
+            # WRITE ends and let it reuse blocks the WRITE still writes into.
+            return [Reject("duplicate", f"second registration for {key} rank {reg.consumer_rank}")]
         if self._superseded(key):
             return [
                 Reject("superseded", f"registration for {key}, newer attempt {self.latest[key[0]]}"),
@@ -196,7 +206,10 @@ class ProducerCore:
             return out + [Reject("duplicate", f"second registration for {key} rank {reg.consumer_rank}")]
         self.parked[slot] = (reg, now, deadline)
         while len(self.parked) > self.limits.max_entries:
-            (_, (old, _, _)) = self.parked.popitem(last=False)
+            ((old_key, _), (old, _, _)) = self.parked.popitem(last=False)
+            # The key ends, as on a Cancel: a copy of `old` arriving later gets this Failure again,
+            # not a WRITE into blocks its consumer freed on this one (and the prefill is freed at once).
+            self._mark_ended(old_key, "producer_overloaded")
             out += [
                 Reject("overflow", f"parked registrations full; dropped {old.request_id}"),
                 SendFailure(old, "producer_overloaded"),
@@ -205,22 +218,28 @@ class ProducerCore:
 
     def cancel(self, key: Key, consumer_engine: str, consumer_rank: int, now: float) -> list[Action]:
         """The consumer gave up: drop what is not yet written; in-flight writes finish first."""
-        parked = self.parked.pop((key, consumer_rank), None)
-        if parked is not None:
+        parked = self.parked.get((key, consumer_rank))
+        # Only the engine that registered may cancel (as for held blocks below): another engine's
+        # Cancel must not fail a registration it does not own.
+        if parked is not None and parked[0].consumer_engine == consumer_engine:
             # The consumer's request failed as a whole: other ranks' registrations and the prefill's
             # blocks need not wait for their TTL and lease.
-            out: list[Action] = [SendFailure(parked[0], "cancelled")]
-            for slot in [s for s in self.parked if s[0] == key]:
-                out.append(SendFailure(self.parked.pop(slot)[0], "cancelled"))
+            out: list[Action] = []
+            for slot, (reg, _, _) in list(self.parked.items()):
+                if slot[0] == key and reg.consumer_engine == consumer_engine:
+                    del self.parked[slot]
+                    out.append(SendFailure(reg, "cancelled"))
             self._mark_ended(key, "cancelled")  # nothing is held yet: no Release
             return out
         entry = self.finished.get(key)
         if entry is None or entry.consumer_engine != consumer_engine:
             return [Reject("unknown_request", f"cancel for {key} from {consumer_engine}")]
+        # Nothing to send: a registered rank is answered by its WRITE (Done, or write_finished's
+        # Failure, which needs the registration kept); a rank not registered yet is refused when it
+        # registers. A Failure here could overtake the WRITE's Done (failing a receive whose KV
+        # landed) or reach the consumer while the WRITE still runs (blocks reused under it).
         entry.failed = True
-        reg = entry.regs.pop(consumer_rank, None)
-        out = [SendFailure(reg, "cancelled")] if reg and consumer_rank not in entry.inflight else []
-        return out + self._maybe_release(key, now)
+        return self._maybe_release(key, now)
 
     def write_finished(self, key: Key, consumer_rank: int, ok: bool, reason: str, now: float) -> list[Action]:
         entry = self.finished.get(key)
@@ -230,7 +249,9 @@ class ProducerCore:
         if ok:
             entry.done.add(consumer_rank)
             return self._maybe_release(key, now)
-        out: list[Action] = [SendFailure(entry.regs[consumer_rank], reason)]
+        # The failure answers this rank: out of entry.regs, so _maybe_release below (and a later lease
+        # expiry or supersede) does not send it a second Failure ("transfer_failed").
+        out: list[Action] = [SendFailure(entry.regs.pop(consumer_rank), reason)]
         entry.failed = True
         return out + self._maybe_release(key, now)
 
@@ -246,6 +267,7 @@ class ProducerCore:
                 out.append(SendFailure(reg, "deadline"))
             elif now - since >= self.limits.registration_ttl_s:
                 del self.parked[slot]
+                self._mark_ended(slot[0], "registration_expired")  # as for an overflow, above
                 out += [
                     Reject("registration_expired", f"no prefill for {slot[0]} within the TTL"),
                     SendFailure(reg, "registration_expired"),
@@ -350,7 +372,12 @@ class ProducerCore:
                 break
             if not self.finished[key].inflight:
                 out += [Reject("overflow", f"finished blocks full; released {key}")]
-                out += [SendFailure(r, "producer_overloaded") for r in self.finished[key].regs.values()]
+                entry = self.finished[key]  # ranks already sent their KV got their Done: no Failure
+                out += [
+                    SendFailure(r, "producer_overloaded")
+                    for n, r in entry.regs.items()
+                    if n not in entry.done
+                ]
                 out.append(self._end(key, "overflow"))
         return out
 
@@ -397,7 +424,13 @@ class ConsumerCore:
         key = (msg.request_id, msg.attempt)
         entry = self.expected.get(key)
         if entry is None:
-            self.early.setdefault(key, []).append((msg, now))
+            buffered = self.early.setdefault(key, [])
+            sender = (msg.producer_engine, msg.producer_rank)
+            if any((n.producer_engine, n.producer_rank) == sender for n, _ in buffered):
+                # Only a sender's first notice counts when replayed; keeping copies would let a
+                # repeating peer grow this list without bound until the TTL.
+                return [Reject("duplicate", f"{key}: second early notice from {sender}")]
+            buffered.append((msg, now))
             if len(self.early) > self.limits.max_entries:
                 dropped, _ = self.early.popitem(last=False)
                 return [Reject("overflow", f"early notices full; dropped {dropped}")]
