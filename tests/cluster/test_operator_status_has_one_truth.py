@@ -18,7 +18,7 @@ from kubernetes import watch
 from kvferry.local.controlplane.processes import reserve_ports
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 
-from tests.cluster.test_operator_transfer_status import FakeMetrics, prometheus
+from tests.cluster.engine_metrics import FakeMetrics, prometheus
 from tests.unit.operator.cases import make_inference
 from tests.waiting import wait_until
 
@@ -78,13 +78,6 @@ class StatusLog:
 
     def transfers(self, name: str) -> set[int]:
         return {st.get("transfer", {}).get("transfers", -1) for cr, st in list(self.versions) if cr == name}
-
-
-@pytest.fixture
-def fake_metrics() -> Iterator[FakeMetrics]:
-    server = FakeMetrics()
-    yield server
-    server.close()
 
 
 @pytest.fixture
