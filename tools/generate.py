@@ -1,6 +1,6 @@
 """`kvferry generate [--check]`: every generated file of the repository, in one run, sources first.
 
-1. crds/*.yaml and docs/api-reference.md from operator/spec.py (operator/crdgen.py);
+1. crds/*.yaml and docs/api-reference.md from operator/spec/ (operator/crdgen.py);
 2. the chart's CRD templates (from step 1's CRDs, in memory) and RBAC rules (operator/rbac.py);
 3. manifests/install.yaml: the chart as step 2 leaves it, rendered by the real `helm template`;
 4. manifests/gitops/argocd-cm.yaml, the Argo CD patch carrying manifests/gitops/argocd-health.lua.
@@ -60,7 +60,7 @@ RESOURCE_SCOPES = {
 def crd_files() -> dict[str, tuple[list[dict[str, Any]], str]]:
     """crds/<file> -> (its CRD documents, the source its header names)."""
     return {
-        "disaggregatedinferences.yaml": ([crdgen.crd()], "operator/spec.py"),
+        "disaggregatedinferences.yaml": ([crdgen.crd()], "operator/spec/"),
         "kopf-peerings.yaml": (crdgen.peering_crds(), "operator/crdgen.py (kopf's peering kinds)"),
     }
 

@@ -1,5 +1,5 @@
 """The committed CRD, API reference, chart templates and install.yaml are exactly what `kvferry generate`
-makes from operator/spec.py, operator/rbac.py and the chart."""
+makes from operator/spec/, operator/rbac.py and the chart."""
 
 from __future__ import annotations
 

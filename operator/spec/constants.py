@@ -1,0 +1,17 @@
+"""The API's identity and the presets' limits that its rules and defaults use."""
+
+GROUP = "kvferry.io"
+VERSION = "v1alpha1"
+KIND = "DisaggregatedInference"
+PLURAL = "disaggregatedinferences"
+SINGULAR = "disaggregatedinference"
+SHORT_NAMES = ["dinf"]
+
+ACCELERATORS = ("p5en", "p5", "trn2", "trn1", "cpu", "none")
+EFA_ACCELERATORS = ("p5en", "p5", "trn2", "trn1")
+# Largest tensor-parallel group one pod can hold (one node): GPUs, or NeuronCores at the default LNC.
+MAX_TP = {"p5en": 8, "p5": 8, "trn2": 64, "trn1": 32, "cpu": 64, "none": 64}
+MODES = ("push", "pull")
+CONNECTORS = ("kvferry", "vllm")
+BACKENDS = ("LIBFABRIC", "UCX")
+MAX_NAME_LEN = 42  # `<name>-prefill` + the StatefulSet's 11-char revision hash must fit a 63-char label

@@ -1,0 +1,147 @@
+"""Cross-field rules: CEL for the API server, a Python twin for offline render."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvferry.operator.flags import OWNED_FLAGS, SHORT_ALIASES, cel_no_owned_flags, owned_flags_in
+from kvferry.operator.spec.constants import EFA_ACCELERATORS, MAX_NAME_LEN, MAX_TP
+from kvferry.operator.spec.types import Spec
+
+
+@dataclass(frozen=True)
+class Rule:
+    field_path: str  # relative to spec, as the API server reports it
+    cel: str  # evaluated with self = spec
+    message: str
+    check: Callable[[Spec], bool]
+
+
+_OWNED_MESSAGE = (
+    f"must not set flags the operator owns ({', '.join([*OWNED_FLAGS, *SHORT_ALIASES])}) in any "
+    "spelling vLLM accepts (_ for -, =value, .key, abbreviations)"
+)
+
+
+_EFA_LIST = "[" + ", ".join(f"'{a}'" for a in EFA_ACCELERATORS) + "]"
+_MAX_TP_MAP = "{" + ", ".join(f"'{k}': {v}" for k, v in MAX_TP.items()) + "}"
+
+RULES: list[Rule] = [
+    Rule(
+        ".decode.tensorParallelSize",
+        "self.kvTransfer.connector == 'kvferry' || "
+        "self.decode.tensorParallelSize >= self.prefill.tensorParallelSize",
+        "decode.tensorParallelSize must be >= prefill.tensorParallelSize with the vllm connectors "
+        "(only the kvferry connector maps KV from a wider prefill to a narrower decode)",
+        lambda s: (
+            s.kv_transfer.connector == "kvferry"
+            or s.decode.tensor_parallel_size >= s.prefill.tensor_parallel_size
+        ),
+    ),
+    Rule(
+        ".kvTransfer.mode",
+        "self.kvTransfer.connector != 'kvferry' || self.kvTransfer.mode == 'push'",
+        "kvTransfer.mode must be push when kvTransfer.connector is kvferry "
+        "(the kvferry connector only pushes)",
+        lambda s: s.kv_transfer.connector != "kvferry" or s.kv_transfer.mode == "push",
+    ),
+    Rule(
+        ".kvTransfer.backends",
+        f"!(self.accelerator in {_EFA_LIST}) || size(self.kvTransfer.backends) == 0 || "
+        "self.kvTransfer.backends == ['LIBFABRIC']",
+        "kvTransfer.backends must be [LIBFABRIC] on EFA presets (p5en, p5, trn2, trn1): "
+        "UCX silently falls back to TCP on EFA",
+        lambda s: s.accelerator not in EFA_ACCELERATORS or s.kv_transfer.backends in ([], ["LIBFABRIC"]),
+    ),
+    Rule(
+        ".kvTransfer.backends",
+        "self.accelerator != 'cpu' || !('LIBFABRIC' in self.kvTransfer.backends)",
+        "kvTransfer.backends cannot contain LIBFABRIC on the cpu preset: NIXL's LIBFABRIC plugin needs EFA "
+        "with GPUDirect RDMA; use UCX",
+        lambda s: s.accelerator != "cpu" or "LIBFABRIC" not in s.kv_transfer.backends,
+    ),
+    Rule(
+        ".kvTransfer.connectorSource",
+        "self.kvTransfer.connector == 'kvferry' || self.kvTransfer.connectorSource == 'image'",
+        "kvTransfer.connectorSource inject needs kvTransfer.connector kvferry (the upstream vllm connectors "
+        "ship inside vLLM)",
+        lambda s: s.kv_transfer.connector == "kvferry" or s.kv_transfer.connector_source == "image",
+    ),
+    Rule(
+        ".vllm.blockSize",
+        "self.accelerator != 'cpu' || !has(self.vllm.blockSize) || self.vllm.blockSize % 32 == 0",
+        "vllm.blockSize must be a multiple of 32 on the cpu preset (vLLM-CPU's attention kernels refuse "
+        "smaller blocks at start-up); leave it unset for 128",
+        lambda s: s.accelerator != "cpu" or s.vllm.block_size is None or s.vllm.block_size % 32 == 0,
+    ),
+    Rule(
+        ".image",
+        "self.accelerator != 'none' || has(self.image)",
+        "image is required when accelerator is none (no preset supplies one)",
+        lambda s: s.accelerator != "none" or bool(s.image),
+    ),
+    Rule(
+        ".kvTransfer.leaseSeconds",
+        "self.kvTransfer.leaseSeconds >= self.kvTransfer.deadlineSeconds",
+        "kvTransfer.leaseSeconds must be >= kvTransfer.deadlineSeconds: prefill must hold KV at least as "
+        "long as decode may wait for it",
+        lambda s: s.kv_transfer.lease_seconds >= s.kv_transfer.deadline_seconds,
+    ),
+    Rule(
+        ".kvTransfer.bufferDevice",
+        "self.accelerator != 'trn1' || self.kvTransfer.bufferDevice != 'device'",
+        "kvTransfer.bufferDevice cannot be device on trn1: 8 EFA for 16 Neuron devices is too few to "
+        "register device memory (one EFA per device needed); use cpu or auto",
+        lambda s: s.accelerator != "trn1" or s.kv_transfer.buffer_device != "device",
+    ),
+    Rule(
+        ".prefill.tensorParallelSize",
+        f"self.prefill.tensorParallelSize <= {_MAX_TP_MAP}[self.accelerator]",
+        "prefill.tensorParallelSize exceeds what one node of this accelerator preset holds "
+        f"(max per preset: {MAX_TP})",
+        lambda s: s.prefill.tensor_parallel_size <= MAX_TP[s.accelerator],
+    ),
+    Rule(
+        ".decode.tensorParallelSize",
+        f"self.decode.tensorParallelSize <= {_MAX_TP_MAP}[self.accelerator]",
+        "decode.tensorParallelSize exceeds what one node of this accelerator preset holds "
+        f"(max per preset: {MAX_TP})",
+        lambda s: s.decode.tensor_parallel_size <= MAX_TP[s.accelerator],
+    ),
+    Rule(
+        ".router.apiKeySecret",
+        "self.router.serviceType != 'LoadBalancer' || has(self.router.apiKeySecret)",
+        "router.apiKeySecret is required when router.serviceType is LoadBalancer: a load balancer exposes "
+        "the router beyond the cluster, and without a key anyone who reaches it may use the model",
+        lambda s: s.router.service_type != "LoadBalancer" or s.router.api_key_secret is not None,
+    ),
+    Rule(
+        ".prefill.extraArgs",
+        cel_no_owned_flags("prefill.extraArgs"),
+        f"prefill.extraArgs {_OWNED_MESSAGE}",
+        lambda s: not owned_flags_in(s.prefill.extra_args),
+    ),
+    Rule(
+        ".decode.extraArgs",
+        cel_no_owned_flags("decode.extraArgs"),
+        f"decode.extraArgs {_OWNED_MESSAGE}",
+        lambda s: not owned_flags_in(s.decode.extra_args),
+    ),
+    Rule(
+        ".vllm.extraArgs",
+        cel_no_owned_flags("vllm.extraArgs"),
+        f"vllm.extraArgs {_OWNED_MESSAGE}",
+        lambda s: not owned_flags_in(s.vllm.extra_args),
+    ),
+]
+
+# Root-level rule (self = the whole object): names of children must fit Kubernetes' limits.
+NAME_RULE = (
+    f"size(self.metadata.name) <= {MAX_NAME_LEN}",
+    f"metadata.name must be at most {MAX_NAME_LEN} characters: `<name>-prefill` plus the "
+    "StatefulSet revision hash must fit the 63-character label limit",
+)
+
+
+# ---- parsing: the same constraints, offline, with errors naming the field ----

@@ -1,0 +1,195 @@
+"""The spec's sections as dataclasses; field docs, defaults and bounds become the CRD schema."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvferry.operator.spec.constants import ACCELERATORS, BACKENDS, CONNECTORS, MODES
+from kvferry.operator.spec.fields import Obj, f
+
+
+@dataclass
+class KvTransfer:
+    """How KV moves from prefill to decode."""
+
+    mode: str = f(
+        "push: decode registers blocks, prefill writes into them; pull: decode reads.",
+        "push",
+        enum=list(MODES),
+    )
+    connector: str = f(
+        "kvferry: the bundled KvferryConnector; vllm: upstream NixlPushConnector/NixlConnector.",
+        "kvferry",
+        enum=list(CONNECTORS),
+    )
+    backends: list[str] = f(
+        "NIXL backends; empty means the preset's (LIBFABRIC on EFA presets, UCX on cpu).",
+        [],
+        maxItems=2,
+        items={"enum": list(BACKENDS)},
+    )
+    buffer_device: str = f(
+        "Where KV is staged for transfer: auto (preset), device (accelerator memory, GPUDirect RDMA), "
+        "cpu (host copies of the KV: nodes without GPUDirect RDMA).",
+        "auto",
+        enum=["auto", "device", "cpu"],
+    )
+    lease_seconds: int = f(
+        "How long prefill holds transferred KV for decode before freeing it.", 30, minimum=1, maximum=3600
+    )
+    deadline_seconds: int = f(
+        "How long decode waits for KV before reporting the load failed.", 30, minimum=1, maximum=3600
+    )
+    load_failure_policy: str = f(
+        "What decode does when KV never arrives: fail the request or recompute.",
+        "fail",
+        enum=["fail", "recompute"],
+    )
+    side_channel_port: int = f(
+        "NIXL side-channel port on every engine pod.", 5600, minimum=1024, maximum=65535
+    )
+    connector_source: str = f(
+        "Where the kvferry connector comes from. image: the vLLM image has it installed (kvferry's vLLM "
+        "image). inject: an init container copies it from the operator image into a stock vLLM image "
+        "(on PYTHONPATH), and a start-up preflight refuses a vLLM or NIXL the connector cannot use.",
+        "image",
+        enum=["image", "inject"],
+    )
+
+
+@dataclass
+class Engine:
+    """vLLM settings both roles must share (they feed the revision hash)."""
+
+    block_size: int | None = f(
+        "KV block size in tokens, same on prefill and decode. Unset: the preset's (16; 128 on cpu, "
+        "whose attention kernels need a multiple of 32).",
+        None,
+        enum=[8, 16, 32, 64, 128, 256],
+    )
+    max_model_len: int | None = f(
+        "Maximum context length; unset lets vLLM derive it from the model.", None, minimum=1
+    )
+    dtype: str = f("Model weight dtype.", "auto", enum=["auto", "bfloat16", "float16", "float32"])
+    enable_prefix_caching: bool = f(
+        "Prefix caching; off by default because a decode-side hit means nothing to receive.", False
+    )
+    extra_args: list[str] = f("Extra vLLM args for both roles.", [], maxItems=64, items={"maxLength": 4096})
+
+
+@dataclass
+class Role:
+    """One engine role (prefill or decode): a StatefulSet of vLLM pods."""
+
+    replicas: int = f("Number of engine pods.", 1, minimum=1, maximum=1000)
+    replicas_owner: str = f(
+        "spec: the operator applies `replicas`. autoscaler: an HPA targets the "
+        "StatefulSet and the operator never writes replicas after creation.",
+        "spec",
+        enum=["spec", "autoscaler"],
+    )
+    tensor_parallel_size: int = f(
+        "Tensor-parallel size per pod (accelerators, or NeuronCores on Trainium).", 1, minimum=1, maximum=64
+    )
+    extra_args: list[str] = f(
+        "Extra vLLM args for this role only.", [], maxItems=64, items={"maxLength": 4096}
+    )
+    env: list[Obj] = f(
+        "Extra container env (Kubernetes EnvVar); wins over preset env by name.", [], maxItems=128
+    )
+    resources: Obj = f("Container resources; keys here win over the preset's.", {})
+    node_selector: dict[str, str] = f("Extra node selector, merged over the preset's.", {})
+    tolerations: list[Obj] = f("Extra tolerations, added to the preset's.", [], maxItems=32)
+    affinity: Obj = f("Pod affinity (Kubernetes Affinity), used as given.", {})
+    efa: int | None = f(
+        "EFA devices per pod; unset derives it from the preset and TP size.", None, minimum=0, maximum=32
+    )
+    startup_seconds: int | None = f(
+        "Startup-probe budget for model load; unset uses the preset's.", None, minimum=30, maximum=21600
+    )
+    shutdown_timeout_seconds: int | None = f(
+        "vLLM --shutdown-timeout drain; unset: lease + 30 s on prefill, 60 s on decode.",
+        None,
+        minimum=0,
+        maximum=3600,
+    )
+
+
+@dataclass
+class SecretKeyRef:
+    """A key of a Secret in the CR's namespace. Only the reference is stored; pods read the value."""
+
+    name: str = f("Secret name.", minLength=1, maxLength=253)
+    key: str = f("Key inside the Secret.", minLength=1, maxLength=253)
+
+
+@dataclass
+class ModelToken:
+    """A model-download token (e.g. Hugging Face) that engine pods get as an env var from a Secret."""
+
+    name: str = f("Secret name.", minLength=1, maxLength=253)
+    key: str = f("Key inside the Secret.", "token", minLength=1, maxLength=253)
+    env: str = f("Env var the engines read it from.", "HF_TOKEN", minLength=1, maxLength=253)
+
+
+@dataclass
+class NetworkPolicy:
+    """NetworkPolicies isolating this service: engines talk only to each other, the router and metrics
+    readers; clients reach only the router. Needs a CNI that enforces NetworkPolicy (docs/security.md)."""
+
+    enabled: bool = f("Render the NetworkPolicies.", True)
+    clients: list[Obj] = f(
+        "NetworkPolicyPeers allowed to call the router; empty = any source (use router.apiKeySecret).",
+        [],
+        maxItems=32,
+    )
+    metrics_readers: list[Obj] = f(
+        "NetworkPolicyPeers allowed to read engine /metrics (port http); empty = the kvferry operator's "
+        "pods (labels app.kubernetes.io/name=kvferry, app.kubernetes.io/component=operator) in any "
+        "namespace.",
+        [],
+        maxItems=32,
+    )
+
+
+@dataclass
+class Router:
+    """The OpenAI-compatible router in front of both roles."""
+
+    replicas: int = f("Router pods.", 1, minimum=1, maximum=100)
+    policy: str = f(
+        "How the router picks a decode pod.", "least-loaded", enum=["least-loaded", "round-robin"]
+    )
+    image: str | None = f("Router image; unset uses the operator's own image.", None)
+    service_type: str = f(
+        "Type of the client-facing Service.", "ClusterIP", enum=["ClusterIP", "NodePort", "LoadBalancer"]
+    )
+    resources: Obj = f("Router container resources.", {})
+    api_key_secret: SecretKeyRef | None = f(
+        "Secret holding the API key clients must send (Authorization: Bearer); unset = no key. "
+        "Passed to the router as an env var from the Secret, never written into any object.",
+        None,
+    )
+
+
+@dataclass
+class Spec:
+    """Desired state of a disaggregated prefill/decode vLLM service."""
+
+    model: str = f("Model name (Hugging Face id) or path inside the image.", minLength=1)
+    served_model_name: str | None = f("Name clients use; unset uses `model`.", None)
+    image: str | None = f("vLLM image for both roles; unset uses the preset's.", None)
+    accelerator: str = f(
+        "Hardware preset: p5en, p5, trn2, trn1, cpu, or none (set everything yourself).",
+        "cpu",
+        enum=list(ACCELERATORS),
+    )
+    kv_transfer: KvTransfer = f("KV transfer between the roles.", KvTransfer())
+    vllm: Engine = f("vLLM settings shared by both roles.", Engine())
+    prefill: Role = f("Prefill role.", Role())
+    decode: Role = f("Decode role.", Role())
+    router: Router = f("Router.", Router())
+    model_token: ModelToken | None = f(
+        "Secret with a model-download token for the engines; unset = none.", None
+    )
+    network_policy: NetworkPolicy = f("Network isolation of the service.", NetworkPolicy())
