@@ -17,12 +17,14 @@ import aiohttp
 from aiohttp import web
 from kvferry.router import params as legs
 from kvferry.router.aggregate import Aggregator
-from kvferry.router.config import Endpoint, RouterConfig
+from kvferry.router.config import RouterConfig
 from kvferry.router.discovery import make_discovery
 from kvferry.router.dispatch import Dispatcher, OpenLeg, new_request_id
 from kvferry.router.errors import RETRY_AFTER_S, ApiError, LegError, error_body
 from kvferry.router.metrics import RouterMetrics
+from kvferry.router.prefix import PrefixIndex
 from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.router.routing import Plan, Planner
 from kvferry.router.selection import LoadTracker, NoBackendError, OverloadedError, Selector
 
 log = logging.getLogger(__name__)
@@ -82,8 +84,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     rid = new_request_id()
     outcome = "error"
     try:
-        prefill, decode = _choose(state)
-        leg = await state["dispatcher"].run(req, prefill, decode, rid)
+        plan = _plan(state, req)
+        prefill, decode = plan.choice.prefill, plan.choice.decode
+        leg = await state["dispatcher"].run(req, prefill, decode, rid, decode_only=plan.decode_only)
         try:
             response, outcome = await _relay(request, leg, rid, state, started, cfg)
         except LegError as exc:  # an aggregated answer broke before anything reached the client
@@ -100,9 +103,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         metrics.duration.labels(request.path, cfg.mode).observe(time.monotonic() - started)
 
 
-def _choose(state: dict[str, Any]) -> tuple[Endpoint, Endpoint]:
+def _plan(state: dict[str, Any], req: legs.ClientRequest) -> Plan:
     try:
-        return state["selector"].choose(state["discovery"].current())
+        planner: Planner = state["planner"]
+        return planner.plan(state["discovery"].current(), req)
     except NoBackendError as exc:
         raise ApiError(503, str(exc), "no_backend") from None
     except OverloadedError as exc:
@@ -227,6 +231,7 @@ async def _scrape_loop(state: dict[str, Any]) -> None:
     while True:
         pool = state["discovery"].current()
         state["tracker"].prune(pool)
+        state["planner"].forget(pool)
         state["metrics"].forget_engines({(e.role, e.engine_id) for e in (*pool.prefill, *pool.decode)})
         for ep in pool.decode:
             try:
@@ -267,11 +272,14 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     """The router app; api_key None turns authentication off."""
     app = web.Application(middlewares=[_auth_middleware(api_key)], client_max_size=MAX_BODY_BYTES)
     app[CONFIG] = cfg
-    tracker = LoadTracker()
+    tracker, metrics, routing = LoadTracker(), RouterMetrics(), cfg.routing
+    index = PrefixIndex(routing.index_blocks_per_engine) if routing.prefix_aware else None
+    selector = Selector(cfg.policy, tracker, cfg.limits.max_in_flight_per_engine, index, routing.load_bound)
     app[STATE] = {
-        "metrics": RouterMetrics(),
+        "metrics": metrics,
         "tracker": tracker,
-        "selector": Selector(cfg.policy, tracker, cfg.limits.max_in_flight_per_engine),
+        "selector": selector,
+        "planner": Planner(routing, selector, index, metrics),
         "discovery": make_discovery(cfg.static, cfg.kubernetes),
     }
     app.router.add_post(legs.COMPLETIONS, _generate)

@@ -19,6 +19,7 @@ import msgspec.inspect as mi
 
 Mode = Literal["kvferry", "vllm-push", "vllm-pull"]
 Policy = Literal["least-loaded", "round-robin"]
+Rule = Literal["always", "selective"]
 MODES: tuple[str, ...] = get_args(Mode)
 POLICIES: tuple[str, ...] = get_args(Policy)
 ROLES = ("prefill", "decode")
@@ -78,6 +79,31 @@ class Limits(_Section, frozen=True, kw_only=True):
     recompute_burst: Count = 10
 
 
+class Disaggregation(_Section, frozen=True, kw_only=True):
+    """Whether a request pays for P/D (router/scoring.py): always, or selective, where decode alone
+    serves a request whose tokens decode lacks are fewer than min_prefill_tokens, or whose prompt
+    decode already holds at least decode_hit_fraction of."""
+
+    rule: Rule = "always"
+    min_prefill_tokens: Count = 256
+    decode_hit_fraction: Fraction = 0.8
+
+
+class Routing(_Section, frozen=True, kw_only=True):
+    """Prefix-aware selection (router/prefix.py, router/scoring.py). block_tokens is the engines' KV
+    block size; chars_per_token turns text into estimated tokens (the router does not tokenize);
+    load_bound is how many requests busier than the least-loaded engine a prefix holder may be and
+    still win; index_blocks_per_engine bounds what the router remembers per engine. prefix_aware
+    unset means on with policy least-loaded, off with round-robin (which ignores caches by design)."""
+
+    prefix_aware: bool | None = None
+    block_tokens: PositiveInt = 16
+    chars_per_token: Positive = 4.0
+    load_bound: Annotated[float, msgspec.Meta(ge=0, extra={"error": "expected a non-negative number"})] = 2.0
+    index_blocks_per_engine: PositiveInt = 65536
+    disaggregation: Disaggregation = Disaggregation()
+
+
 class AuthConfig(_Section, frozen=True, kw_only=True):
     """Where the API key comes from (never the key itself: configs end up in ConfigMaps)."""
 
@@ -107,6 +133,7 @@ class RouterConfig:
     static: dict[str, tuple[Endpoint, ...]] | None = None
     kubernetes: KubernetesDiscoveryConfig | None = None
     auth: AuthConfig = AuthConfig()
+    routing: Routing = Routing()
 
 
 # router.yaml as written; parse_config turns it into the settings above.
@@ -162,6 +189,7 @@ class _File(_Section, frozen=True, kw_only=True):
     limits: Limits = Limits()
     discovery: _Discovery
     auth: AuthConfig | None = None
+    routing: Routing = Routing()
 
 
 def parse_config(raw: Any) -> RouterConfig:
@@ -183,6 +211,14 @@ def parse_config(raw: Any) -> RouterConfig:
         raise ConfigError("discovery: give exactly one of static, kubernetes")
     if doc.auth is not None and (doc.auth.api_key_env is None) == (doc.auth.api_key_file is None):
         raise ConfigError("auth: give exactly one of api_key_env, api_key_file")
+    if doc.policy == "round-robin" and doc.routing.prefix_aware:
+        raise ConfigError(
+            "routing.prefix_aware: needs policy least-loaded (round-robin ignores where prefixes are "
+            "cached); set prefix_aware: false or policy: least-loaded"
+        )
+    prefix_aware = doc.routing.prefix_aware
+    if prefix_aware is None:
+        prefix_aware = doc.policy == "least-loaded"
     k = found.kubernetes
     return RouterConfig(
         mode=doc.mode,
@@ -204,6 +240,7 @@ def parse_config(raw: Any) -> RouterConfig:
             k.poll_s,
         ),
         auth=doc.auth or AuthConfig(),
+        routing=msgspec.structs.replace(doc.routing, prefix_aware=prefix_aware),
     )
 
 

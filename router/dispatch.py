@@ -197,12 +197,18 @@ class Dispatcher:
 
     # -- flows ------------------------------------------------------------------------------------
 
-    async def run(self, req: legs.ClientRequest, prefill: Endpoint, decode: Endpoint, rid: str) -> OpenLeg:
-        """Both legs per mode; on a retryable failure, recompute locally on the other engine."""
+    async def run(
+        self, req: legs.ClientRequest, prefill: Endpoint, decode: Endpoint, rid: str,
+        decode_only: bool = False,
+    ) -> OpenLeg:  # fmt: skip
+        """Both legs per mode (or decode alone, which prefills locally); on a retryable failure,
+        recompute locally on the other engine."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.deadlines.total_s
         self.budget.deposit()
         try:
+            if decode_only:
+                return await self._decode(req, decode, None, rid, deadline)
             if self.cfg.mode == "vllm-pull":
                 return await self._pull(req, prefill, decode, rid, deadline)
             return await self._push(req, prefill, decode, rid, deadline)

@@ -43,6 +43,19 @@ class RouterMetrics:
             "Prefill legs left to finish after their client went away (never cancelled: that strands decode)",
             registry=r,
         )
+        self.served = Counter(
+            "kvferry_router_served", "Requests by how they were served: path pd (prefill and decode) or "
+            "decode_only (decode prefills locally), and why (always, prefill_pays, short_prompt, "
+            "decode_holds_prefix)", ["path", "reason"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "kvferry_router_prompt_tokens", "Prompt tokens routed, by role of the engine that got them "
+            "(text prompts: estimated from characters)", ["role"], registry=r,
+        )  # fmt: skip
+        self.prefix_hit_tokens = Counter(
+            "kvferry_router_prefix_hit_tokens", "Of those, tokens the chosen engine already held by the "
+            "router's prefix index (its hit rate: hit / prompt tokens per role)", ["role"], registry=r,
+        )  # fmt: skip
         self.errors_by_status = Counter(
             "kvferry_router_errors", "Error responses by HTTP status", ["status"], registry=r
         )

@@ -13,8 +13,10 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from kvferry.router import scoring
 from kvferry.router.config import Endpoint
 from kvferry.router.discovery import Pool
+from kvferry.router.prefix import PrefixIndex, PromptKeys
 
 
 class NoBackendError(Exception):
@@ -76,6 +78,11 @@ class LoadTracker:
         load = self.loads[ep.url]
         load.waiting, load.kv_usage = waiting, kv_usage
 
+    def load(self, ep: Endpoint) -> float:
+        """Requests the router sent plus the engine's own queue."""
+        load = self.loads[ep.url]
+        return load.in_flight + load.waiting
+
     def score(self, ep: Endpoint) -> tuple[float, float, str]:
         load = self.loads[ep.url]
         # Requests the router sent plus the engine's own queue; then the fuller KV cache loses ties,
@@ -83,13 +90,29 @@ class LoadTracker:
         return (load.in_flight + load.waiting, load.kv_usage, ep.engine_id)
 
 
-class Selector:
-    """Chooses (prefill, decode) pairs by policy over the current pool."""
+@dataclass(frozen=True)
+class Choice:
+    """A (prefill, decode) pair and how many leading blocks of the prompt each holds (prefix index)."""
 
-    def __init__(self, policy: str, tracker: LoadTracker, max_in_flight: int = 256) -> None:
+    prefill: Endpoint
+    decode: Endpoint
+    prefill_hit_blocks: int = 0
+    decode_hit_blocks: int = 0
+
+
+class Selector:
+    """Chooses (prefill, decode) pairs by policy over the current pool; with a prefix index, least-loaded
+    prefers the engine holding the longest prefix of the prompt within `load_bound` (scoring.py)."""
+
+    def __init__(
+        self, policy: str, tracker: LoadTracker, max_in_flight: int = 256,
+        index: PrefixIndex | None = None, load_bound: float = 0.0,
+    ) -> None:  # fmt: skip
         self.policy = policy
         self.tracker = tracker
         self.max_in_flight = max_in_flight
+        self.index = index
+        self.load_bound = load_bound
         self._rr = {role: itertools.count() for role in ("prefill", "decode")}
 
     def _usable(self, endpoints: list[Endpoint], now: float) -> list[Endpoint]:
@@ -104,6 +127,11 @@ class Selector:
         return roomy
 
     def choose(self, pool: Pool, now: float | None = None) -> tuple[Endpoint, Endpoint]:
+        choice = self.choose_for(pool, None, now)
+        return choice.prefill, choice.decode
+
+    def choose_for(self, pool: Pool, keys: PromptKeys | None, now: float | None = None) -> Choice:
+        """The pair for a prompt with these block keys (None: by load alone)."""
         now = time.monotonic() if now is None else now
         if not pool.decode:
             raise NoBackendError("no decode engine is available")
@@ -124,12 +152,23 @@ class Selector:
         paired = [d for d in decodes if d.revision in revisions]
         if not paired:
             raise OverloadedError("prefill", self.max_in_flight)
-        decode = self._pick(self._usable(paired, now))
+        decode, decode_hit = self._pick(self._usable(paired, now), keys)
         prefills = [p for p in prefills if p.revision == decode.revision]
-        return self._pick(self._usable(prefills, now)), decode
+        prefill, prefill_hit = self._pick(self._usable(prefills, now), keys)
+        return Choice(prefill, decode, prefill_hit, decode_hit)
 
-    def _pick(self, candidates: list[Endpoint]) -> Endpoint:
+    def _pick(self, candidates: list[Endpoint], keys: PromptKeys | None) -> tuple[Endpoint, int]:
+        index = self.index
+
+        def held(e: Endpoint) -> int:
+            return index.match(e.url, keys.keys) if index is not None and keys is not None else 0
+
         if self.policy == "round-robin":
             ordered = sorted(candidates, key=lambda e: e.engine_id)
-            return ordered[next(self._rr[ordered[0].role]) % len(ordered)]
-        return min(candidates, key=self.tracker.score)
+            chosen = ordered[next(self._rr[ordered[0].role]) % len(ordered)]
+            return chosen, held(chosen)
+        scored = [
+            scoring.Candidate(e, self.tracker.load(e), self.tracker.score(e), held(e)) for e in candidates
+        ]
+        best = scoring.pick(scored, self.load_bound)
+        return best.endpoint, best.hit_blocks

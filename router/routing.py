@@ -1,0 +1,67 @@
+"""Routing step: per request, the prompt's block keys, the engine pair, P/D or decode alone, and the
+record of what each chosen engine now holds (router/prefix.py, scoring.py, selection.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvferry.router import scoring
+from kvferry.router.config import Routing
+from kvferry.router.discovery import Pool
+from kvferry.router.metrics import RouterMetrics
+from kvferry.router.params import ClientRequest
+from kvferry.router.prefix import PrefixIndex, PromptKeys, prompt_keys, prompt_text
+from kvferry.router.selection import Choice, Selector
+
+
+@dataclass(frozen=True)
+class Plan:
+    choice: Choice
+    decision: scoring.Decision
+    keys: PromptKeys
+
+    @property
+    def decode_only(self) -> bool:
+        return self.decision.path == "decode_only"
+
+
+class Planner:
+    """Plans each request over the current pool and keeps the prefix index up to date."""
+
+    def __init__(
+        self, routing: Routing, selector: Selector, index: PrefixIndex | None, metrics: RouterMetrics
+    ) -> None:
+        self.routing = routing
+        self.selector = selector
+        self.index = index
+        self.metrics = metrics
+
+    def plan(self, pool: Pool, req: ClientRequest) -> Plan:
+        r = self.routing
+        keys = prompt_keys(prompt_text(req.path, req.body), r.block_tokens, r.chars_per_token)
+        choice = self.selector.choose_for(pool, keys if self.index is not None else None)
+        d = r.disaggregation
+        hit = keys.hit_tokens(choice.decode_hit_blocks)
+        decision = scoring.decide(d.rule, d.min_prefill_tokens, d.decode_hit_fraction, keys.tokens, hit)
+        plan = Plan(choice, decision, keys)
+        self._account(plan)
+        return plan
+
+    def _account(self, plan: Plan) -> None:
+        """Count how the request is served and what the chosen engines held; record that they hold it
+        now (decode always gets the whole prompt: received as KV, or computed itself)."""
+        choice, keys = plan.choice, plan.keys
+        self.metrics.served.labels(plan.decision.path, plan.decision.reason).inc()
+        engines = [(choice.decode, choice.decode_hit_blocks)]
+        if not plan.decode_only:
+            engines.append((choice.prefill, choice.prefill_hit_blocks))
+        for engine, hit_blocks in engines:
+            self.metrics.prompt_tokens.labels(engine.role).inc(keys.tokens)
+            self.metrics.prefix_hit_tokens.labels(engine.role).inc(keys.hit_tokens(hit_blocks))
+            if self.index is not None:
+                self.index.record(engine.url, keys.keys)
+
+    def forget(self, pool: Pool) -> None:
+        """Drop the index entries of engines that left the pool."""
+        if self.index is not None:
+            self.index.forget({e.url for e in (*pool.prefill, *pool.decode)})
