@@ -36,6 +36,12 @@ PRINTER_COLUMNS = [
     {"name": "Transfers", "type": "integer", "jsonPath": ".status.transfer.transfers"},
     {"name": "Failed", "type": "integer", "jsonPath": ".status.transfer.failures"},
     {"name": "Xfer-P50", "type": "string", "jsonPath": ".status.transfer.p50"},
+    {
+        "name": "Prefix-Hit",
+        "type": "string",
+        "jsonPath": ".status.transfer.prefixHitRate",
+        "description": "share of prompt tokens found in the engines' prefix caches",
+    },
     {"name": "Revision", "type": "string", "jsonPath": ".status.revision", "priority": 1},
     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -17,6 +17,7 @@ from kvferry.contracts import pods, versions
 from kvferry.operator import names
 from kvferry.operator.render import images, injection, presets, security
 from kvferry.operator.render.presets import PodPlan, merge
+from kvferry.operator.render.routing import routing_config
 from kvferry.operator.spec import GROUP, KIND, VERSION, Role, Spec, parse_spec
 
 DEFAULT_ROUTER_IMAGE = images.operator_image()  # the operator image also holds the router
@@ -196,6 +197,7 @@ def router_config(spec: Spec, cr_name: str, namespace: str) -> dict[str, Any]:
         "model": spec.served_model_name or spec.model,
         "policy": spec.router.policy,
         "deadlines": {"prefill_s": 60, "decode_first_token_s": 60, "transfer_s": deadline, "total_s": 600},
+        "routing": routing_config(spec),
         "discovery": {
             "kubernetes": {
                 "namespace": namespace,

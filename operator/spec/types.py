@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvferry.operator.spec.constants import ACCELERATORS, BACKENDS, CONNECTORS, MODES
 from kvferry.operator.spec.fields import Obj, f
+from kvferry.operator.spec.routing import Routing
 
 
 @dataclass
@@ -170,6 +171,7 @@ class Router:
         "Passed to the router as an env var from the Secret, never written into any object.",
         None,
     )
+    routing: Routing = f("Prefix-aware engine choice and selective disaggregation.", Routing())
 
 
 @dataclass

@@ -42,6 +42,11 @@ class TransferStatus:
     p99_seconds: float | None = f("99th-percentile transfer time in seconds.", None)
     local_tokens: int = f("Prompt tokens decode computed itself.", 0)
     external_tokens: int = f("Prompt tokens decode received as KV.", 0)
+    prefix_hit_rate: str = f(
+        "Share of prompt tokens both roles found in their prefix caches since the pods started, e.g. 42%.", ""
+    )
+    prefix_hit_tokens: int = f("Prompt tokens found in the prefix caches (vllm:prefix_cache_hits).", 0)
+    prefix_query_tokens: int = f("Prompt tokens looked up there (vllm:prefix_cache_queries).", 0)
     layout_mismatches: int = f("Transfers refused because P's and D's KV layouts cannot be mapped.", 0)
     last_failure: str = f("Reason label of the most recent failures.", "")
     last_failure_time: str = f("When failures last increased.", "")

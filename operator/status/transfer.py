@@ -24,6 +24,8 @@ HISTOGRAMS = (m.MATCH_TO_DONE_SECONDS, "vllm:nixl_xfer_time_seconds")
 # On decode pods: where prompt tokens came from (computed locally vs received as KV).
 TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 LOCAL, EXTERNAL = "local_compute", "external_kv_transfer"
+# On both roles: prompt tokens looked up in vLLM's prefix cache, and those found (counters in tokens).
+PREFIX_QUERIES, PREFIX_HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
 # Decode computing more than this share of prompt tokens itself means KV is not arriving.
 RECOMPUTE_SHARE = 0.5
 
@@ -38,6 +40,8 @@ class Sample:
     buckets: dict[float, float] = field(default_factory=dict)  # le -> cumulative count
     local_tokens: float = 0.0
     external_tokens: float = 0.0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
     backends: set[str] = field(default_factory=set)
     ucx_on_efa: bool = False
     failed_checks: set[str] = field(default_factory=set)  # other start-up checks at 0 (e.g. efa_device)
@@ -66,6 +70,10 @@ def parse(text: str) -> Sample:
             elif s.name in {h + "_bucket" for h in HISTOGRAMS}:
                 le = float(s.labels["le"])
                 out.buckets[le] = out.buckets.get(le, 0) + s.value
+            elif s.name == PREFIX_QUERIES:
+                out.prefix_queries += s.value
+            elif s.name == PREFIX_HITS:
+                out.prefix_hits += s.value
             elif s.name == TOKENS_BY_SOURCE:
                 if s.labels.get("source") == LOCAL:
                     out.local_tokens += s.value
@@ -85,6 +93,8 @@ def merge(samples: list[Sample]) -> Sample:
             total.buckets[le] = total.buckets.get(le, 0) + v
         total.local_tokens += s.local_tokens
         total.external_tokens += s.external_tokens
+        total.prefix_queries += s.prefix_queries
+        total.prefix_hits += s.prefix_hits
         total.backends |= s.backends
         total.ucx_on_efa |= s.ucx_on_efa
         total.failed_checks |= s.failed_checks
@@ -120,6 +130,11 @@ def human(seconds: float | None) -> str:
 def _increase(now: float, before: float) -> float:
     """Counter increase; a drop means pods restarted and counters reset."""
     return now if now < before else now - before
+
+
+def hit_rate(hits: float, queries: float) -> str:
+    """A prefix-cache hit rate for `kubectl get` (e.g. 42%); empty before any lookup."""
+    return f"{100 * hits / queries:.0f}%" if queries > 0 else ""
 
 
 def layout_refusals(producer: Sample, consumer: Sample) -> float:
@@ -212,6 +227,9 @@ def summarize(
             except ValueError:
                 continue
     producer, consumer = merge(producers), merge(consumers)
+    # Prefix-cache lookups on both roles, taken before decode's figures may stand in for prefill's.
+    prefix_hits = producer.prefix_hits + consumer.prefix_hits
+    prefix_queries = producer.prefix_queries + consumer.prefix_queries
     if not (producer.transfers or producer.failures or producer.buckets):
         producer = consumer  # a connector that counts on the receiving side: take decode's figures
     verdict = health(producer, consumer, previous, efa, len(producers) + len(consumers))
@@ -228,6 +246,9 @@ def summarize(
         "localTokens": int(consumer.local_tokens),
         "layoutMismatches": int(layout_refusals(producer, consumer)),
         "externalTokens": int(consumer.external_tokens),
+        "prefixHitRate": hit_rate(prefix_hits, prefix_queries),
+        "prefixHitTokens": int(prefix_hits),
+        "prefixQueryTokens": int(prefix_queries),
         "lastFailure": previous.get("lastFailure", ""),
         "lastFailureTime": previous.get("lastFailureTime", ""),
         "scrapedPods": len(producers) + len(consumers),
