@@ -46,6 +46,13 @@ RULES: list[tuple[list[str], list[str], list[str], str]] = [
         "watch to correct drift at once. No delete: owner references let the GC clean up",
     ),
     (
+        ["apps"],
+        ["statefulsets/scale"],
+        ["get", "patch"],
+        "spec.autoscaling: the planner writes each role's replicas through its StatefulSet's scale "
+        "subresource, and nothing else of the object",
+    ),
+    (
         [""],
         ["services", "configmaps", "serviceaccounts"],
         ["get", "list", "watch", "create", "patch"],

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvferry.operator.flags import OWNED_FLAGS, SHORT_ALIASES, cel_no_owned_flags, owned_flags_in
+from kvferry.operator.spec.autoscaling import Autoscaling
 from kvferry.operator.spec.constants import EFA_ACCELERATORS, MAX_NAME_LEN, MAX_TP
 from kvferry.operator.spec.types import Spec
 
@@ -133,6 +134,80 @@ RULES: list[Rule] = [
         cel_no_owned_flags("vllm.extraArgs"),
         f"vllm.extraArgs {_OWNED_MESSAGE}",
         lambda s: not owned_flags_in(s.vllm.extra_args),
+    ),
+]
+
+# ---- spec.autoscaling (operator/spec/autoscaling.py) ----
+
+
+def _as(s: Spec) -> Autoscaling:
+    return s.autoscaling or Autoscaling(ttft_seconds=1.0, itl_seconds=1.0)  # unset: rules hold trivially
+
+
+def _role_bounds(role: str) -> Callable[[Spec], bool]:
+    def check(s: Spec) -> bool:
+        bounds = getattr(_as(s), role)
+        return bool(bounds.min_replicas <= bounds.max_replicas)
+
+    return check
+
+
+def _ratio_ordered(s: Spec) -> bool:
+    r = _as(s).ratio
+    return r.min is None or r.max is None or r.min <= r.max
+
+
+def _ratio_min_reachable(s: Spec) -> bool:
+    a = _as(s)
+    return a.ratio.min is None or a.prefill.max_replicas >= a.ratio.min * a.decode.min_replicas
+
+
+def _ratio_max_reachable(s: Spec) -> bool:
+    a = _as(s)
+    return a.ratio.max is None or a.prefill.min_replicas <= a.ratio.max * a.decode.max_replicas
+
+
+_AS = "!has(self.autoscaling) || "
+_BOTH_RATIOS = "!has(self.autoscaling.ratio.min) || !has(self.autoscaling.ratio.max) || "
+RULES += [
+    Rule(
+        ".autoscaling",
+        _AS + "(self.prefill.replicasOwner == 'autoscaler' && self.decode.replicasOwner == 'autoscaler')",
+        "autoscaling needs prefill.replicasOwner and decode.replicasOwner set to autoscaler: the planner "
+        "then owns both roles' replicas and spec replicas are only the starting size (docs/autoscaling.md)",
+        lambda s: (
+            s.autoscaling is None
+            or (s.prefill.replicas_owner == "autoscaler" and s.decode.replicas_owner == "autoscaler")
+        ),
+    ),
+    *(
+        Rule(
+            f".autoscaling.{role}.maxReplicas",
+            _AS + f"self.autoscaling.{role}.minReplicas <= self.autoscaling.{role}.maxReplicas",
+            f"autoscaling.{role}.maxReplicas must be >= autoscaling.{role}.minReplicas",
+            _role_bounds(role),
+        )
+        for role in ("prefill", "decode")
+    ),
+    Rule(
+        ".autoscaling.ratio.max",
+        _AS + _BOTH_RATIOS + "self.autoscaling.ratio.min <= self.autoscaling.ratio.max",
+        "autoscaling.ratio.max must be >= autoscaling.ratio.min",
+        _ratio_ordered,
+    ),
+    Rule(
+        ".autoscaling.ratio.min",
+        _AS + "!has(self.autoscaling.ratio.min) || double(self.autoscaling.prefill.maxReplicas) >= "
+        "self.autoscaling.ratio.min * double(self.autoscaling.decode.minReplicas)",
+        "autoscaling.ratio.min cannot be met: prefill.maxReplicas / decode.minReplicas is below it",
+        _ratio_min_reachable,
+    ),
+    Rule(
+        ".autoscaling.ratio.max",
+        _AS + "!has(self.autoscaling.ratio.max) || double(self.autoscaling.prefill.minReplicas) <= "
+        "self.autoscaling.ratio.max * double(self.autoscaling.decode.maxReplicas)",
+        "autoscaling.ratio.max cannot be met: prefill.minReplicas / decode.maxReplicas is above it",
+        _ratio_max_reachable,
     ),
 ]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvferry.operator.spec.autoscaling import Autoscaling
 from kvferry.operator.spec.constants import ACCELERATORS, BACKENDS, CONNECTORS, MODES
 from kvferry.operator.spec.fields import Obj, f
 from kvferry.operator.spec.routing import Routing
@@ -195,3 +196,6 @@ class Spec:
         "Secret with a model-download token for the engines; unset = none.", None
     )
     network_policy: NetworkPolicy = f("Network isolation of the service.", NetworkPolicy())
+    autoscaling: Autoscaling | None = f(
+        "Scale prefill and decode to latency targets (docs/autoscaling.md); unset = replicas as given.", None
+    )

@@ -55,6 +55,35 @@ class TransferStatus:
 
 
 @dataclass
+class RoleScaling:
+    """The autoscale planner's last decision for one role."""
+
+    current: int = f("Replicas the role had when the planner last looked.", 0)
+    desired: int = f("Replicas the planner wants.", 0)
+    reason: str = f("Why: the signal and target it acted on, and any bound or window that held it.", "")
+
+
+@dataclass
+class AutoscalingStatus:
+    """What the autoscale planner sees and decides (spec.autoscaling; written every evaluation)."""
+
+    targets: str = f("The latency targets, e.g. `TTFT p90 1.00s, ITL p90 50ms`.", "")
+    latency: str = f("Observed/target over the last window, for `kubectl get`.", "")
+    ttft_seconds: float | None = f("Observed TTFT at the spec's percentile; unset: too few requests.", None)
+    itl_seconds: float | None = f("Observed inter-token latency at the spec's percentile.", None)
+    requests: int = f("First tokens decode produced in the last window.", 0)
+    prefill_waiting: int = f("Requests waiting on prefill engines.", 0)
+    decode_waiting: int = f("Requests waiting on decode engines.", 0)
+    decode_kv_usage: float = f("KV cache usage of the fullest decode engine (0..1).", 0.0)
+    prefill: RoleScaling = f("Prefill decision.", RoleScaling())
+    decode: RoleScaling = f("Decode decision.", RoleScaling())
+    summary: str = f("Replicas now and wanted, e.g. `P 1->2 D 2`.", "")
+    output: str = f("scale (written to /scale) or metrics (published for an HPA or KEDA).", "")
+    last_decision: str = f("The last decision that changed replicas, with its reason.", "")
+    last_decision_time: str = f("When it was made.", "")
+
+
+@dataclass
 class Condition:
     type: str = f("Ready, Progressing, TransferHealthy or Degraded.")
     status: str = f("True, False or Unknown.", enum=["True", "False", "Unknown"])
@@ -74,3 +103,4 @@ class Status:
     router: RouterStatus = f("Router Deployment.", RouterStatus())
     transfer: TransferStatus = f("KV transfer summary.", TransferStatus())
     conditions: list[Condition] = f("Ready, Progressing, TransferHealthy, Degraded.", [])
+    autoscaling: AutoscalingStatus | None = f("The autoscale planner's view and last decision.", None)

@@ -33,6 +33,11 @@
 - apiGroups: [apps]
   resources: [statefulsets, deployments]
   verbs: [get, list, watch, create, patch]
+# spec.autoscaling: the planner writes each role's replicas through its StatefulSet's scale
+# subresource, and nothing else of the object
+- apiGroups: [apps]
+  resources: [statefulsets/scale]
+  verbs: [get, patch]
 # server-side apply of Services, the config ConfigMap and the router's ServiceAccount
 - apiGroups: [""]
   resources: [services, configmaps, serviceaccounts]

@@ -1,0 +1,127 @@
+"""Autoscale signals: engines' Prometheus samples -> what the planner sees over one window (pure).
+
+Engines export cumulative histograms, so a latency percentile over a window is computed from the
+difference of two scrapes, pod by pod: a pod first seen in this scrape only sets its baseline, and a
+pod whose counts went down (restarted) counts from zero. The input is parsed samples keyed by a
+source name (a pod; or one router endpoint aggregating a pool), so either source can feed it.
+
+Names are vLLM's own (vllm/v1/metrics/loggers.py): TTFT and inter-token latency are read on decode,
+where a request's first token includes its wait for KV from prefill; queues and KV usage per role.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kvferry.operator.status.transfer import quantile
+from prometheus_client.parser import text_string_to_metric_families
+
+TTFT = "vllm:time_to_first_token_seconds"
+ITL = "vllm:inter_token_latency_seconds"
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+QUANTILES = {"p50": 0.5, "p90": 0.9}
+# Fewer finished requests than this in a window say nothing about a percentile: the planner holds.
+MIN_REQUESTS = 3
+
+Buckets = dict[float, float]  # le -> cumulative count
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """One engine's cumulative latency buckets and current gauges (summed over its label sets)."""
+
+    ttft: Buckets = field(default_factory=dict)
+    itl: Buckets = field(default_factory=dict)
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+
+
+def _add(buckets: Buckets, le: str, value: float) -> None:
+    bound = float(le)
+    buckets[bound] = buckets.get(bound, 0.0) + value
+
+
+def parse_engine(text: str) -> EngineSample:
+    """One engine's /metrics text. Raises ValueError on text that is not Prometheus exposition."""
+    ttft: Buckets = {}
+    itl: Buckets = {}
+    gauges = {WAITING: 0.0, RUNNING: 0.0, KV_USAGE: 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == TTFT + "_bucket":
+                _add(ttft, s.labels["le"], s.value)
+            elif s.name == ITL + "_bucket":
+                _add(itl, s.labels["le"], s.value)
+            elif s.name == KV_USAGE:
+                gauges[KV_USAGE] = max(gauges[KV_USAGE], s.value)  # engines report it per engine index
+            elif s.name in gauges:
+                gauges[s.name] += s.value
+    return EngineSample(ttft, itl, gauges[WAITING], gauges[RUNNING], gauges[KV_USAGE])
+
+
+def increase(now: Buckets, before: Buckets | None) -> Buckets:
+    """Bucket counts added since `before`; a reset (any count lower than before) counts from zero."""
+    if before is None:
+        return {}
+    if any(now.get(le, 0.0) < count for le, count in before.items()):
+        return dict(now)
+    return {le: count - before.get(le, 0.0) for le, count in now.items()}
+
+
+def _sum(parts: Iterable[Buckets]) -> Buckets:
+    total: Buckets = {}
+    for part in parts:
+        for le, count in part.items():
+            total[le] = total.get(le, 0.0) + count
+    return total
+
+
+def _count(buckets: Buckets) -> int:
+    return int(max(buckets.values(), default=0.0))  # the +Inf bucket holds every observation
+
+
+@dataclass(frozen=True)
+class Window:
+    """What the planner sees for one evaluation: latencies over the window, queues and pods now."""
+
+    ttft: float | None = None  # seconds at the spec's percentile; None: too few requests finished
+    itl: float | None = None
+    requests: int = 0  # first tokens observed on decode in the window
+    tokens: int = 0  # inter-token intervals observed in the window
+    prefill_waiting: float = 0.0
+    decode_waiting: float = 0.0
+    prefill_running: float = 0.0
+    decode_running: float = 0.0
+    decode_kv_usage: float = 0.0  # the fullest decode's KV cache, 0..1
+    prefill_sources: int = 0  # engines that answered
+    decode_sources: int = 0
+
+
+Scrape = Mapping[str, Mapping[str, EngineSample]]  # role -> source (pod) -> sample
+
+
+def window(before: Scrape, now: Scrape, percentile: str) -> Window:
+    """The planner's view between two scrapes; `before` empty (first scrape) gives queues only."""
+    q = QUANTILES[percentile]
+    prefill, decode = now.get("prefill", {}), now.get("decode", {})
+    old = before.get("decode", {})
+    ttft = _sum(increase(s.ttft, old[p].ttft if p in old else None) for p, s in decode.items())
+    itl = _sum(increase(s.itl, old[p].itl if p in old else None) for p, s in decode.items())
+    requests, tokens = _count(ttft), _count(itl)
+    return Window(
+        ttft=quantile(ttft, q) if requests >= MIN_REQUESTS else None,
+        itl=quantile(itl, q) if tokens >= MIN_REQUESTS else None,
+        requests=requests,
+        tokens=tokens,
+        prefill_waiting=sum(s.waiting for s in prefill.values()),
+        decode_waiting=sum(s.waiting for s in decode.values()),
+        prefill_running=sum(s.running for s in prefill.values()),
+        decode_running=sum(s.running for s in decode.values()),
+        decode_kv_usage=max((s.kv_usage for s in decode.values()), default=0.0),
+        prefill_sources=len(prefill),
+        decode_sources=len(decode),
+    )
