@@ -98,7 +98,8 @@ class Endpoint:
         self.writes = InFlight(cfg.deadline_s)
         self._last_pending: dict[str, int] = {}
         self.recent = self.writes.recent  # completed WRITEs (benchmark, debugging)
-        self._recv: dict[Key, tuple[str, int, list[list[int]], int]] = {}  # consumer: host, port, blocks, n
+        # consumer: producer host, port; blocks, first token, end token
+        self._recv: dict[Key, tuple[str, int, list[list[int]], int, int]] = {}
         self.transport: NixlTransport | None = None
         self.side: SideChannelServer | None = None
         self._refused: set[str] = set()  # peer agents whose layout mismatch was logged
@@ -151,12 +152,20 @@ class Endpoint:
         block_ids: list[list[int]],
         num_tokens: int,
         deadline_s: float | None = None,
+        first_token: int = 0,
     ) -> None:
+        """Receive tokens [first_token, num_tokens) into `block_ids` (per group, the blocks from the
+        one holding `first_token`, which starts a block: this rank already holds the tokens before it)."""
         key = (request_id, attempt)
         deadline = deadline_s if deadline_s is not None else self.cfg.deadline_s
 
         def run(now: float) -> list[P.Action]:
-            self._recv[key] = (producer_host, producer_port, block_ids, num_tokens)
+            if not 0 <= first_token < num_tokens or first_token % self.layout.block_size:
+                raise ValueError(
+                    f"tokens [{first_token}, {num_tokens}) do not start on a "
+                    f"{self.layout.block_size}-token block of this rank"
+                )
+            self._recv[key] = (producer_host, producer_port, block_ids, first_token, num_tokens)
             return self.consumer.expect(key, producer_engine, producer_tp, deadline, now)
 
         self._submit(run, key)
@@ -330,6 +339,8 @@ class Endpoint:
             w = o.write
             if o.ok:
                 self.metrics.record("bytes", w.plan.nbytes, self.role, self.transport.backend)
+                self.metrics.record("pushed_tokens", w.plan.tokens)
+                self.metrics.record("pushed_blocks", w.plan.blocks)
                 self.metrics.record("match_to_done", now - w.started)
                 self.metrics.record("transfers", 1, self.role)
             out += self.producer.write_finished(w.key, w.rank, o.ok, o.reason, now)
@@ -412,8 +423,9 @@ class Endpoint:
                 self._feed(self.producer.write_finished(key, reg.consumer_rank, False, why, now), now)
                 return
             handle, plan = self.transport.write(
-                agent, action.block_ids, reg.block_ids, reg.num_tokens, notif, mode=self.cfg.descriptors
-            )
+                agent, action.block_ids, reg.block_ids, reg.num_tokens, notif,
+                mode=self.cfg.descriptors, first_token=reg.first_token,
+            )  # fmt: skip
         except Exception as exc:  # mapping, descriptors or NIXL: this WRITE fails, the thread serves on
             log_limited(log, logging.WARNING, "write_start", "kvferry: write of %s to %s failed to start: %s",
                         key, agent, exc)  # fmt: skip
@@ -438,7 +450,7 @@ class Endpoint:
         info, expected = self._recv.get(action.key), self.consumer.expected.get(action.key)
         if info is None or expected is None:
             return
-        host, port, blocks, num_tokens = info
+        host, port, blocks, first_token, num_tokens = info
         rid, attempt = action.key
         for rank in action.producer_ranks:
             if isinstance(action, P.SendCancel):
@@ -449,7 +461,7 @@ class Endpoint:
             reg = Registration(
                 rid, attempt, self.engine_id, self.tp_rank, self.tp_size, self.cfg.side_channel_host,
                 self.side_port, self.incarnation, num_tokens, blocks, self.cfg.revision,
-                self.layout.fingerprint, deadline_unix,
+                self.layout.fingerprint, deadline_unix, first_token,
             )  # fmt: skip
             fail = partial(self._registration_failed, action.key, expected.producer_engine, rank)
             self._deliver(host, port + rank, expected.producer_engine, encode(reg), fail)

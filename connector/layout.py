@@ -351,20 +351,42 @@ def block_aligned(a: KVLayout, b: KVLayout) -> bool:
 
 
 def block_table(
-    layout: KVLayout, block_ids: Sequence[Sequence[int]], num_tokens: int, side: str
+    layout: KVLayout,
+    block_ids: Sequence[Sequence[int]],
+    num_tokens: int,
+    side: str,
+    *,
+    first_token: int = 0,
+    listed_from: int = 0,
 ) -> np.ndarray:
-    """Per group, the first ceil(num_tokens / block_size) block ids, range-checked (shape groups x n)."""
-    need = -(-num_tokens // layout.block_size)
+    """Per group, the ids of the blocks holding tokens [first_token, num_tokens), range-checked (shape
+    groups x n; column j is the block holding token first_token - first_token % block_size + j *
+    block_size). `block_ids[g][0]` holds token `listed_from`, which must start a block: a decode that
+    already holds a prefix lists only the blocks it lacks."""
+    bs = layout.block_size
+    if listed_from % bs:
+        raise LayoutError(
+            f"{side} block list starts at token {listed_from}, not on a {bs}-token block boundary"
+        )
+    if not 0 <= listed_from <= first_token < num_tokens:
+        raise LayoutError(
+            f"{side} token range [{first_token}, {num_tokens}) with blocks listed from token "
+            f"{listed_from} is empty or starts before the list"
+        )
+    skip = first_token // bs - listed_from // bs  # listed blocks before the one holding first_token
+    need = -(-num_tokens // bs) - listed_from // bs
     groups = {r.group for r in layout.regions}
     if max(groups) >= len(block_ids):
         raise LayoutError(f"{side} sent {len(block_ids)} block-id groups, layout uses group {max(groups)}")
-    table = np.zeros((len(block_ids), need), dtype=np.int64)
+    table = np.zeros((len(block_ids), need - skip), dtype=np.int64)
     limit = layout.regions[0].num_blocks
     for g in sorted(groups):
         ids = block_ids[g]
         if len(ids) < need:
-            raise LayoutError(f"{side} group {g} has {len(ids)} blocks, {num_tokens} tokens need {need}")
-        row = np.asarray(ids[:need], dtype=np.int64)
+            raise LayoutError(
+                f"{side} group {g} has {len(ids)} blocks, tokens [{listed_from}, {num_tokens}) need {need}"
+            )
+        row = np.asarray(ids[skip:need], dtype=np.int64)
         bad = (row < 0) | (row >= limit)
         if bad.any():
             raise LayoutError(f"{side} block id {int(row[bad][0])} out of range [0, {limit}) in group {g}")
@@ -395,10 +417,15 @@ def plan(
     dst_blocks: Sequence[Sequence[int]],
     num_tokens: int,
     *,
+    first_token: int = 0,
     merge: bool = True,
 ) -> Segments:
-    """Every byte range the producer must write so the consumer holds its KV for the shared heads.
+    """Every byte range the producer must write so the consumer holds tokens [first_token, num_tokens)
+    of its KV for the shared heads.
 
+    `src_blocks` hold the prompt from token 0; `dst_blocks` from `first_token` (the consumer already
+    holds the tokens before it, e.g. its own prefix-cache hit, and lists only the blocks it lacks:
+    `first_token` must start a consumer block; it may fall anywhere in a producer block).
     Tokens are cut into runs that stay inside one block on both sides; a run's in-block pattern
     depends only on where it starts in each side's block, so each pattern is computed once (element
     by element, coalesced) and stamped onto every run and layer by adding block and region bases.
@@ -406,20 +433,18 @@ def plan(
     check_compatible(src, dst)
     if num_tokens <= 0:
         raise LayoutError(f"num_tokens must be positive, got {num_tokens}")
-    s_tab = block_table(src, src_blocks, num_tokens, "producer")
-    d_tab = block_table(dst, dst_blocks, num_tokens, "consumer")
-    bounds = np.union1d(
-        np.union1d(np.arange(0, num_tokens, src.block_size), np.arange(0, num_tokens, dst.block_size)),
-        [num_tokens],
-    ).astype(np.int64)
-    starts, lens = bounds[:-1], np.diff(bounds)
+    s_tab = block_table(src, src_blocks, num_tokens, "producer", first_token=first_token)
+    d_tab = block_table(
+        dst, dst_blocks, num_tokens, "consumer", first_token=first_token, listed_from=first_token
+    )
+    starts, lens = token_runs(first_token, num_tokens, src.block_size, dst.block_size)
     keys = np.stack([starts % src.block_size, starts % dst.block_size, lens], axis=1)
     parts: list[tuple[np.ndarray, ...]] = []
     for key in np.unique(keys, axis=0):
         runs = np.flatnonzero((keys == key).all(axis=1))
         t_src, t_dst, t_len = _pattern(src, dst, *(int(k) for k in key), merge=merge)
-        s_blk = starts[runs] // src.block_size
-        d_blk = starts[runs] // dst.block_size
+        s_blk = starts[runs] // src.block_size - first_token // src.block_size
+        d_blk = starts[runs] // dst.block_size - first_token // dst.block_size
         for i, (rs, rd) in enumerate(zip(src.regions, dst.regions, strict=True)):
             s_base = rs.base + s_tab[rs.group][s_blk] * src.block_stride
             d_base = rd.base + d_tab[rd.group][d_blk] * dst.block_stride
@@ -434,6 +459,21 @@ def plan(
             )
     src_a, dst_a, ln, reg = (np.concatenate(c) for c in zip(*parts, strict=True))
     return Segments(src_a, dst_a, ln, reg, reg.copy())
+
+
+def token_runs(first_token: int, num_tokens: int, *block_sizes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, lengths) of the runs of tokens [first_token, num_tokens) that stay inside one block of
+    every given block size."""
+    cuts = [np.array([first_token, num_tokens], dtype=np.int64)]
+    for bs in block_sizes:
+        cuts.append(np.arange(first_token - first_token % bs + bs, num_tokens, bs, dtype=np.int64))
+    bounds = np.unique(np.concatenate(cuts))
+    return bounds[:-1], np.diff(bounds)
+
+
+def pushed_blocks(dst: KVLayout, first_token: int, num_tokens: int) -> int:
+    """Consumer blocks a transfer of tokens [first_token, num_tokens) writes into (per layer)."""
+    return -(-num_tokens // dst.block_size) - first_token // dst.block_size
 
 
 def _pattern(src: KVLayout, dst: KVLayout, s0: int, d0: int, n: int, *, merge: bool) -> Pieces:

@@ -101,6 +101,28 @@ SPECS = (
         ("when",),
     ),
     Spec(
+        "prefix_held",
+        Counter,
+        names.PREFIX_TOKENS_HELD,
+        "Consumer: prompt tokens decode already held in its own prefix cache, so not registered and not "
+        "pushed (counted once per request, on TP rank 0)",
+        (),
+    ),
+    Spec(
+        "pushed_tokens",
+        Counter,
+        names.PUSHED_TOKENS,
+        "Producer: prompt tokens written by completed WRITEs (per consumer rank written)",
+        (),
+    ),
+    Spec(
+        "pushed_blocks",
+        Counter,
+        names.PUSHED_BLOCKS,
+        "Producer: consumer KV blocks written into by completed WRITEs (per consumer rank written)",
+        (),
+    ),
+    Spec(
         "receive_wait",
         Histogram,
         names.RECEIVE_WAIT_SECONDS,

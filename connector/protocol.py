@@ -30,7 +30,8 @@ Key = tuple[str, int]  # (request_id, attempt)
 # ---- actions ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StartWrite:
-    """Producer: write `block_ids` (num_tokens tokens) to the consumer rank named in `reg`."""
+    """Producer: write tokens [reg.first_token, num_tokens) of `block_ids` (the prompt's blocks from
+    token 0) to the consumer rank named in `reg` (whose block ids start at reg.first_token)."""
 
     key: Key
     reg: Registration
@@ -195,6 +196,11 @@ class ProducerCore:
             ]
         if reg.consumer_tp <= 0 or reg.consumer_rank >= reg.consumer_tp:
             return [Reject("malformed", f"consumer rank {reg.consumer_rank} of tp {reg.consumer_tp}")]
+        if reg.first_token >= reg.num_tokens:  # nothing to write cannot be answered by a WRITE
+            return [
+                Reject("malformed", f"{key}: tokens [{reg.first_token}, {reg.num_tokens}) is empty"),
+                SendFailure(reg, "token_mismatch"),
+            ]
         out = self._supersede_older(key, now)
         if now >= deadline:
             return out + [Reject("past_deadline", f"{key} registered after its deadline"),

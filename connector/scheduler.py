@@ -44,8 +44,9 @@ PUSHED_STATUSES = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_
 class Expect:
     req_id: str
     params: ConsumerParams
-    block_ids: list[list[int]]
+    block_ids: list[list[int]]  # all of the request's blocks, from token 0
     num_tokens: int
+    first_token: int = 0  # D already holds the tokens before it (its own prefix-cache hit)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class KvferryScheduler:
         self._registered: dict[str, ConsumerParams | None] = {}  # consumer: req_id -> params (None: invalid)
         self._holding: dict[str, float] = {}  # producer: req_id -> time after which we stop stepping for it
         self._owner: dict[tuple[str, int], str] = {}  # live kvferry key -> the vLLM request that holds it
+        self._hits: dict[str, int] = {}  # consumer: req_id -> its local prefix-cache hit, until allocated
 
     # ---- consumer ----
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -84,9 +86,15 @@ class KvferryScheduler:
         if request.request_id in self._registered:
             return 0, False  # KV already arrived (or failed): a re-schedule computes the rest locally
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        # D's own prefix-cache hit (whole blocks): only the tokens after it are registered and pushed.
+        self._hits[request.request_id] = num_computed_tokens
+        if len(self._hits) > self.cfg.max_entries:  # asked but never allocated (e.g. aborted waiting)
+            del self._hits[next(iter(self._hits))]
         # Async even when the params are bad: the worker then reports the failure and vLLM applies
         # kv_load_failure_policy to this one request, instead of an exception in the engine loop.
-        return (count, True) if count > 0 else (0, False)
+        return count, True
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -95,6 +103,7 @@ class KvferryScheduler:
             if self._early_candidate(request):
                 self._candidates[request.request_id] = (request, [list(g) for g in blocks.get_block_ids()])
             return
+        hit = self._hits.pop(request.request_id, len(request.prompt_token_ids or ()) - num_external_tokens)
         if num_external_tokens <= 0 or request.request_id in self._registered:
             return
         try:
@@ -110,8 +119,9 @@ class KvferryScheduler:
             return
         self._registered[request.request_id] = params
         block_ids = [list(g) for g in blocks.get_block_ids()]
-        num_tokens = request.num_computed_tokens + num_external_tokens
-        self._step.expects.append(Expect(request.request_id, params, block_ids, num_tokens))
+        # vLLM sets request.num_computed_tokens only after this call: the hit is what it asked us with.
+        num_tokens = hit + num_external_tokens
+        self._step.expects.append(Expect(request.request_id, params, block_ids, num_tokens, hit))
 
     # ---- producer: early hand-off ----
     def _early_candidate(self, request: Request) -> bool:
@@ -129,7 +139,10 @@ class KvferryScheduler:
         out = []
         for req_id, (request, block_ids) in self._candidates.items():
             num_tokens = len(request.prompt_token_ids or ())
-            if scheduler_output.num_scheduled_tokens.get(req_id, 0) < num_tokens:
+            # P's own prefix-cache hit is not recomputed (num_computed_tokens is set by now); the push
+            # still covers the whole prompt, which P's blocks hold.
+            remaining = num_tokens - request.num_computed_tokens
+            if scheduler_output.num_scheduled_tokens.get(req_id, 0) < remaining:
                 continue
             try:
                 params = parse(request.kv_transfer_params or {}, "producer", self.cfg.deadline_s)
@@ -153,6 +166,7 @@ class KvferryScheduler:
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict | None]:
         if not self.is_producer:
+            self._hits.pop(request.request_id, None)
             params = self._registered.pop(request.request_id, None)
             if params is not None:
                 self._release((params.request_id, params.attempt), request.request_id)

@@ -18,7 +18,15 @@ from dataclasses import dataclass
 
 import numpy as np
 from kvferry.connector.config import KvferryConfig
-from kvferry.connector.layout import KVLayout, Segments, block_aligned, block_table, coalesce, plan
+from kvferry.connector.layout import (
+    KVLayout,
+    Segments,
+    block_aligned,
+    block_table,
+    coalesce,
+    plan,
+    pushed_blocks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +50,8 @@ class WritePlan:
     descriptors: int
     nbytes: int
     prep_s: float
+    tokens: int = 0  # tokens written (those the consumer lacked)
+    blocks: int = 0  # consumer blocks written into (per layer)
 
 
 class NixlTransport:
@@ -118,8 +128,11 @@ class NixlTransport:
         num_tokens: int,
         notif: bytes,
         mode: str = "auto",
+        first_token: int = 0,
     ) -> tuple[object, WritePlan]:
-        """Map, build descriptors and post one WRITE carrying `notif`; returns (handle, plan)."""
+        """Map tokens [first_token, num_tokens), build descriptors and post one WRITE carrying `notif`;
+        returns (handle, plan). `src_blocks` hold the prompt from token 0, `dst_blocks` from
+        `first_token` (layout.plan)."""
         assert self.layout is not None, "register() first"
         peer = self.peers[agent_name]
         t0 = time.perf_counter()
@@ -128,11 +141,14 @@ class NixlTransport:
         if mode == "prepped" and not block_aligned(self.layout, peer.layout):
             raise TransportError("descriptors=prepped needs the same per-block layout on both sides")
         if mode == "prepped":
-            handle, count, nbytes = self._prepped_xfer(peer, src_blocks, dst_blocks, num_tokens, notif)
+            handle, count, nbytes = self._prepped_xfer(
+                peer, src_blocks, dst_blocks, first_token, num_tokens, notif
+            )
         else:
             seg = plan(
-                self.layout, src_blocks, peer.layout, dst_blocks, num_tokens, merge=mode == "coalesced"
-            )
+                self.layout, src_blocks, peer.layout, dst_blocks, num_tokens,
+                first_token=first_token, merge=mode == "coalesced",
+            )  # fmt: skip
             seg = coalesce(seg) if mode == "coalesced" else seg
             handle, count, nbytes = self._explicit_xfer(peer, seg, notif), len(seg), seg.total_bytes
         prep_s = time.perf_counter() - t0
@@ -140,7 +156,8 @@ class NixlTransport:
         if state == "ERR":
             self.agent.release_xfer_handle(handle)
             raise TransportError(f"posting a WRITE of {nbytes} bytes to {agent_name} failed")
-        return handle, WritePlan(mode, count, nbytes, prep_s)
+        tokens, blocks = num_tokens - first_token, pushed_blocks(peer.layout, first_token, num_tokens)
+        return handle, WritePlan(mode, count, nbytes, prep_s, tokens, blocks)
 
     def _explicit_xfer(self, peer: Peer, seg: Segments, notif: bytes) -> object:
         assert self.layout is not None
@@ -153,6 +170,7 @@ class NixlTransport:
         peer: Peer,
         src_blocks: list[list[int]],
         dst_blocks: list[list[int]],
+        first_token: int,
         num_tokens: int,
         notif: bytes,
     ) -> tuple[object, int, int]:
@@ -165,8 +183,10 @@ class NixlTransport:
             peer.prepped = self.agent.prep_xfer_dlist(
                 peer.agent_name, _block_descs(peer.layout), peer.layout.memory
             )
-        s_tab = block_table(self.layout, src_blocks, num_tokens, "producer")
-        d_tab = block_table(peer.layout, dst_blocks, num_tokens, "consumer")
+        s_tab = block_table(self.layout, src_blocks, num_tokens, "producer", first_token=first_token)
+        d_tab = block_table(
+            peer.layout, dst_blocks, num_tokens, "consumer", first_token=first_token, listed_from=first_token
+        )
         s_idx = _block_indices(self.layout, s_tab)
         d_idx = _block_indices(peer.layout, d_tab)
         handle = self.agent.make_prepped_xfer("WRITE", self._local_prepped, s_idx, peer.prepped, d_idx, notif)

@@ -17,6 +17,9 @@ PROTOCOL_VERSION history (bump on any change to a message below; peers must be e
   4. Registration carries the consumer's absolute deadline (`deadline_unix`, wall clock): the producer
      never starts a WRITE after it. Failure and Cancel carry the sender's `revision` like the others.
      (Moving from msgpack + hand-written checks to msgspec kept every byte: still version 4.)
+  5. Registration carries `first_token`: the consumer already holds the tokens before it (its own
+     prefix-cache hit, whole consumer blocks) and its `block_ids` hold the tokens from it on; the
+     producer writes only tokens [first_token, num_tokens).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class Registration(_Message, tag="reg", frozen=True):
     revision: str = ""  # the consumer's revision; the producer acts only on its own
     layout_fingerprint: str = ""  # the consumer rank's layout these block ids address
     deadline_unix: float = 0.0  # the consumer's deadline (time.time()); no WRITE may start after it
+    first_token: Count = 0  # the consumer holds tokens before it; block_ids[g][0] holds this token
 
 
 class Done(_Message, tag="done", frozen=True):

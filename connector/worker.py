@@ -58,7 +58,8 @@ class KvferryWorker:
         self._cache_layout: KVLayout | None = None  # the engine's own cache (the endpoint may use twins)
         self._gated: list[tuple[Any, Callable[[], None]]] = []  # (CUDA event, what to do once it passed)
         self._landed: set[str] = set()  # consumer: vLLM requests whose KV is in the engine's cache
-        self._expected: dict[Key, tuple[list[list[int]], int]] = {}  # staging / kv_dump_dir: blocks, tokens
+        # staging / kv_dump_dir: all blocks, tokens, the blocks written (staged back to the device)
+        self._expected: dict[Key, tuple[list[list[int]], int, list[list[int]]]] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Measure this rank's KV layout through vLLM's own attention backend (kvcache.py; refuses
@@ -95,6 +96,13 @@ class KvferryWorker:
         r = self._ratio
         return groups if r == 1 else [[b * r + i for b in g for i in range(r)] for g in groups]
 
+    def _lacking(self, kernel_ids: list[list[int]], first_token: int) -> list[list[int]]:
+        """The blocks from the one holding `first_token` on (the endpoint refuses a first token that
+        does not start a block: vLLM's local hits are whole blocks)."""
+        assert self._cache_layout is not None
+        skip = first_token // self._cache_layout.block_size
+        return [g[skip:] for g in kernel_ids]
+
     def on_step(self, meta: KvferryMetadata) -> None:
         """A step's metadata, as vLLM binds it before the forward pass: registrations and hand-offs go
         out now, not after this step's forward (which may be another request's whole prefill)."""
@@ -113,8 +121,12 @@ class KvferryWorker:
                 self._failed_now.append((e.req_id, "duplicate kvferry key"))
                 continue
             self._req_of[(p.request_id, p.attempt)] = e.req_id
+            blocks = self._kernel_ids(e.block_ids)
+            lacking = self._lacking(blocks, e.first_token)
             if self.cfg.kv_dump_dir or self._stage:
-                self._expected[(p.request_id, p.attempt)] = (self._kernel_ids(e.block_ids), e.num_tokens)
+                self._expected[(p.request_id, p.attempt)] = (blocks, e.num_tokens, lacking)
+            if self.tp_rank == 0 and e.first_token:
+                self.metrics.record("prefix_held", e.first_token)
             ep.expect(
                 p.request_id,
                 p.attempt,
@@ -122,9 +134,10 @@ class KvferryWorker:
                 producer_host=p.producer_host,
                 producer_port=p.producer_port,
                 producer_tp=p.producer_tp,
-                block_ids=self._kernel_ids(e.block_ids),
+                block_ids=lacking,
                 num_tokens=e.num_tokens,
                 deadline_s=p.deadline_s,
+                first_token=e.first_token,
             )
         self._failed_now += meta.invalid
         for f in meta.finished:
@@ -174,11 +187,12 @@ class KvferryWorker:
         """The KV of `key` landed where NIXL writes: bring it into the engine's cache (staging), then
         let vLLM see it."""
         req, expected = self._req_of.pop(key, None), self._expected.pop(key, None)
-        event = self._stage.to_device(expected[0]) if self._stage and expected else None
+        # Only the blocks written: the held prefix blocks' host twins hold nothing of this request.
+        event = self._stage.to_device(expected[2]) if self._stage and expected else None
 
         def landed() -> None:
             if self.cfg.kv_dump_dir and expected:
-                self._dump(key, *expected)
+                self._dump(key, expected[0], expected[1])
             if req is not None:
                 self._landed.add(req)
 

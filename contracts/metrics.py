@@ -21,6 +21,9 @@ RECEIVE_WAIT_SECONDS = "kvferry_receive_wait_seconds"
 PENDING = "kvferry_pending"
 HANDSHAKES = "kvferry_handshakes"
 PREFLIGHT_OK = "kvferry_preflight_ok"
+PREFIX_TOKENS_HELD = "kvferry_prefix_tokens_held"  # consumer: prompt tokens already cached, not pushed
+PUSHED_TOKENS = "kvferry_pushed_tokens"  # producer: prompt tokens written by completed WRITEs
+PUSHED_BLOCKS = "kvferry_pushed_blocks"  # producer: consumer blocks written by completed WRITEs
 
 # Labels the operator reads.
 BACKEND = "backend"  # on any kvferry_* sample: the NIXL backend that moved the bytes

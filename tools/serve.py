@@ -68,6 +68,7 @@ class ServerSpec:
     host: str = "127.0.0.1"
     no_progress_thread: bool = False
     load_failure_policy: str = "fail"  # kv_load_failure_policy: what D does when its KV never arrives
+    prefix_caching: bool = True  # vLLM's prefix cache, on as in the operator's default (both roles)
     connector_extra: dict[str, Any] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
 
@@ -116,7 +117,8 @@ def kv_transfer_config(spec: ServerSpec) -> dict[str, Any] | None:
 def command(spec: ServerSpec, python: str = sys.executable) -> list[str]:
     cmd = [python, "-m", SERVER_MODULE, "--model", str(spec.model), "--served-model-name", spec.served_name]
     cmd += ["--host", spec.host, "--port", str(spec.port), "--dtype", spec.dtype]
-    cmd += ["--max-model-len", str(spec.max_model_len), "--enforce-eager", "--no-enable-prefix-caching"]
+    cmd += ["--max-model-len", str(spec.max_model_len), "--enforce-eager"]
+    cmd.append("--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching")
     if spec.block_size is not None:
         cmd += ["--block-size", str(spec.block_size)]
     config = kv_transfer_config(spec)

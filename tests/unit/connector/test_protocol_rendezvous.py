@@ -265,3 +265,20 @@ def test_a_prefill_that_finishes_after_the_consumer_cancelled_is_freed_at_once()
     out = p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=2.0)
     assert kinds(out) == ["Reject", "Release"] and out[1] == Release(("r", 0), "cancelled")
     assert p.pending()["finished_blocks"] == 0  # not held for the 30 s lease
+
+
+def test_a_registration_for_the_lacking_tokens_starts_a_write_of_those_tokens():
+    p = producer()
+    partial = Registration("r", 0, "d0", 0, 1, "127.0.0.1", 5601, "inc", 40, [[9]], first_token=32)
+    p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=0.0)
+    (write,) = p.registration(partial, now=0.1)
+    # the prompt's blocks from token 0 on P; D's block list and the first token travel in the registration
+    assert isinstance(write, StartWrite) and write.block_ids == BLOCKS and write.reg.first_token == 32
+
+
+def test_a_registration_with_nothing_to_write_is_refused_and_answered():
+    p = producer()
+    empty = Registration("r", 0, "d0", 0, 1, "127.0.0.1", 5601, "inc", 40, [[9]], first_token=40)
+    out = p.registration(empty, now=0.0)
+    assert kinds(out) == ["Reject", "SendFailure"] and out[0].reason == "malformed"
+    assert out[1].reason == "token_mismatch" and p.pending()["registrations"] == 0

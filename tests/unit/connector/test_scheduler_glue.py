@@ -193,3 +193,26 @@ def test_a_duplicate_early_prefill_is_not_handed_over():
     assert [f.req_id for f in meta.early] == [first.request_id]
     second.status = RequestStatus.FINISHED_LENGTH_CAPPED
     assert s.request_finished(second, ([4, 5, 6],))[0] is False
+
+
+def test_a_decode_prefix_hit_registers_only_the_tokens_after_it():
+    """vLLM asks with D's own (block-aligned) hit and sets num_computed_tokens only after the alloc
+    call: the expectation must start at the hit and end at the prompt's end, not at hit + 0."""
+    s = KvferryScheduler(KvferryConfig.from_extra({"backends": ["UCX"]}), is_producer=False)
+    req = request(DECODE)
+    assert s.get_num_new_matched_tokens(req, 128) == (172, True)
+    all_blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10],))
+    s.update_state_after_alloc(req, all_blocks, 172)
+    (e,) = s.build_connector_meta(None).expects
+    assert (e.first_token, e.num_tokens, e.block_ids) == (128, 300, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    assert s._hits == {}
+
+
+def test_a_prefill_prefix_hit_is_still_handed_over_early_with_the_whole_prompt():
+    """P computes only the tokens after its own hit in this step; its blocks hold the whole prompt."""
+    s = early_scheduler()
+    req = prefill_leg()
+    s.update_state_after_alloc(req, BLOCKS, 0)
+    req.num_computed_tokens = 128  # vLLM sets it after the alloc call, before building the metadata
+    (f,) = s.build_connector_meta(step(req.request_id, 172)).early
+    assert (f.req_id, f.num_tokens, f.block_ids) == (req.request_id, 300, [[4, 5, 6]])
