@@ -74,7 +74,9 @@ class Engine:
     )
     dtype: str = f("Model weight dtype.", "auto", enum=["auto", "bfloat16", "float16", "float32"])
     enable_prefix_caching: bool = f(
-        "Prefix caching; off by default because a decode-side hit means nothing to receive.", False
+        "Prefix caching on both roles: a prefill hit skips compute; decode registers, and prefill "
+        "pushes, only the blocks decode does not hold.",
+        True,
     )
     extra_args: list[str] = f("Extra vLLM args for both roles.", [], maxItems=64, items={"maxLength": 4096})
 
