@@ -14,3 +14,7 @@ CONNECTOR_CLASS = "KvferryConnector"
 CONNECTOR_MODULE = "kvferry.connector"
 # `python3 -m PREFLIGHT_MODULE --startup` runs before vLLM in inject mode.
 PREFLIGHT_MODULE = "kvferry.connector.preflight"
+
+# The router serves its pool's transfer metrics here (router/poolstatus.py); the operator reads it, one
+# request per DisaggregatedInference instead of one per engine pod (operator/status/scrape.py).
+POOL_METRICS_PATH = "/kvferry/pool-metrics"

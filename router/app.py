@@ -15,7 +15,9 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from kvferry.contracts.pods import POOL_METRICS_PATH
 from kvferry.router import params as legs
+from kvferry.router import poolstatus
 from kvferry.router.aggregate import Aggregator
 from kvferry.router.config import RouterConfig
 from kvferry.router.discovery import make_discovery
@@ -30,7 +32,8 @@ from kvferry.router.selection import LoadTracker, NoBackendError, OverloadedErro
 log = logging.getLogger(__name__)
 SCRAPE_INTERVAL_S = 2.0
 MAX_BODY_BYTES = 32 * 1024 * 1024
-UNAUTHENTICATED_PATHS = ("/health", "/livez", "/metrics")
+# The pool's transfer metrics are metrics too: readable like /metrics (the operator holds no API key).
+UNAUTHENTICATED_PATHS = ("/health", "/livez", "/metrics", POOL_METRICS_PATH)
 # Requests shed on purpose get their own outcome label (kvferry_router_requests_total), not "error".
 SHED_OUTCOMES = ("overloaded", "recompute_budget_exhausted")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -288,6 +291,7 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/livez", _livez)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get(POOL_METRICS_PATH, poolstatus.handler(lambda request: request.app[STATE]))
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     return app
