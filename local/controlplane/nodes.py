@@ -24,6 +24,9 @@ NEURONCORE = "aws.amazon.com/neuroncore"
 EFA = "vpc.amazonaws.com/efa"
 HUGEPAGES_2MI = "hugepages-2Mi"
 EFA_HUGEPAGES = "10256Mi"  # the EFA driver pre-allocates 5128 pages of 2 MiB
+# EKS labels nodes of instance types with EC2 instance topology (p5en, trn2, ...) with the network node
+# above them at each layer, 1 = top, 3 = bottom (EKS user guide, "network topology labels").
+NETWORK_LAYERS = tuple(f"topology.k8s.aws/network-node-layer-{i}" for i in (1, 2, 3))
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class NodeShape:
     resources: dict[str, str]
     labels: dict[str, str] = field(default_factory=dict)
     taints: tuple[dict[str, str], ...] = ()
+    network_topology: bool = False  # EKS sets the network-node-layer labels on this instance type
 
 
 P5EN = NodeShape(
@@ -49,6 +53,7 @@ P5EN = NodeShape(
     },
     labels={"nvidia.com/gpu.present": "true", "vpc.amazonaws.com/efa.present": "true"},
     taints=({"key": GPU, "value": "true", "effect": "NoSchedule"},),
+    network_topology=True,
 )
 
 TRN2 = NodeShape(
@@ -66,6 +71,7 @@ TRN2 = NodeShape(
     },
     labels={"aws.amazon.com/neuron.present": "true", "vpc.amazonaws.com/efa.present": "true"},
     taints=({"key": NEURON, "value": "true", "effect": "NoSchedule"},),
+    network_topology=True,
 )
 
 CPU = NodeShape(
@@ -88,9 +94,27 @@ def node_name(shape_key: str, index: int) -> str:
     return f"{shape_key}-{index}"
 
 
-def manifest(s: NodeShape, index: int, *, kwok: bool = True, zone: str = DEFAULT_ZONE) -> dict[str, Any]:
-    """A v1 Node for shape `s`; `kwok=False` leaves it unannotated so kwok does not run it."""
+def network_nodes(zone: str, spine: int) -> tuple[str, str, str]:
+    """Network node ids of layers 1-3 for a node under bottom-layer node `spine` of `zone`, in the
+    `nn-<hex>` form EKS uses; nodes of one zone share layers 1 and 2."""
+    return (f"nn-{zone}-1", f"nn-{zone}-2", f"nn-{zone}-3-{spine}")
+
+
+def manifest(
+    s: NodeShape,
+    index: int,
+    *,
+    kwok: bool = True,
+    zone: str = DEFAULT_ZONE,
+    network: tuple[str, str, str] | None = None,
+) -> dict[str, Any]:
+    """A v1 Node for shape `s`; `kwok=False` leaves it unannotated so kwok does not run it.
+
+    network: its layer-1..3 network nodes; unset: two nodes per bottom-layer node, on shapes EKS labels.
+    """
     name = node_name(s.key, index)
+    if network is None and s.network_topology:
+        network = network_nodes(zone, index // 2)
     labels = {
         "kubernetes.io/hostname": name,
         "kubernetes.io/os": "linux",
@@ -99,6 +123,7 @@ def manifest(s: NodeShape, index: int, *, kwok: bool = True, zone: str = DEFAULT
         INSTANCE_TYPE: s.instance_type,
         ZONE: zone,
         REGION: zone[:-1],
+        **dict(zip(NETWORK_LAYERS, network or (), strict=False)),
         **s.labels,
     }
     annotations = {KWOK_ANNOTATION: KWOK_VALUE} if kwok else {}

@@ -15,7 +15,7 @@ import jinja2
 import yaml
 from kvferry.contracts import pods, versions
 from kvferry.operator import names
-from kvferry.operator.render import images, injection, presets, security
+from kvferry.operator.render import images, injection, placement, presets, security
 from kvferry.operator.render.presets import PodPlan, merge
 from kvferry.operator.render.routing import routing_config
 from kvferry.operator.spec import GROUP, KIND, VERSION, Role, Spec, parse_spec
@@ -166,7 +166,7 @@ def role_context(
         "resources": plan.resources,
         "node_selector": plan.node_selector,
         "tolerations": plan.tolerations,
-        "affinity": plan.affinity,
+        "affinity": placement.affinity(spec, cr_name, role),  # the user's, plus spec.placement's terms
         "pod_security": security.engine_pod_security(plan),
         "container_security": security.engine_container_security(plan),
         "scratch_mounts": security.SCRATCH_MOUNTS,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvferry.operator.spec.autoscaling import Autoscaling
 from kvferry.operator.spec.constants import ACCELERATORS, BACKENDS, CONNECTORS, MODES
 from kvferry.operator.spec.fields import Obj, f
+from kvferry.operator.spec.placement import Placement
 from kvferry.operator.spec.routing import Routing
 
 
@@ -198,6 +199,10 @@ class Spec:
         "Secret with a model-download token for the engines; unset = none.", None
     )
     network_policy: NetworkPolicy = f("Network isolation of the service.", NetworkPolicy())
+    placement: Placement = f(
+        'Where prefill and decode pods land relative to each other (docs/install.md "Placement").',
+        Placement(),
+    )
     autoscaling: Autoscaling | None = f(
         "Scale prefill and decode to latency targets (docs/autoscaling.md); unset = replicas as given.", None
     )
