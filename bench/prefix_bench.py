@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +137,12 @@ def _engine_totals(servers: dict[str, Callable[[], dict[str, float]]]) -> dict[s
 
 def _router_served(url: str) -> dict[str, float]:
     m = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
-    return {k.removeprefix("kvferry_router_served_total"): v for k, v in m.items() if "served_total" in k}
+    out = {}
+    for key, value in m.items():
+        if key.startswith("kvferry_router_served_total{"):
+            labels = dict(kv.split("=", 1) for kv in key[len("kvferry_router_served_total{") : -1].split(","))
+            out[f"{labels['path'].strip(chr(34))}/{labels['reason'].strip(chr(34))}"] = value
+    return out
 
 
 @contextmanager
@@ -172,15 +177,29 @@ def started(
         stack.stop()
 
 
-def measure(mode: str, rate: float, w: Workload, model: Path, workdir: Path) -> Row:
-    print(f"== {mode} at {rate:g} conversations/s: starting", flush=True)
-    convs = conversations(w)
-    with started(mode, model, workdir / f"{mode}-{rate:g}") as (url, servers):
-        before = _engine_totals(servers)
-        served_before = {} if mode == "single" else _router_served(url)
-        results = asyncio.run(run_workload(url, convs, rate, w.reply_tokens, w.seed))
-        after = _engine_totals(servers)
-        served = {} if mode == "single" else _router_served(url)
+def measure(mode: str, rates: list[float], w: Workload, model: Path, workdir: Path) -> list[Row]:
+    """Start the mode once and run the workload at each rate, each rate with its own seed (its own
+    system prompt and users: nothing cached by an earlier rate helps a later one)."""
+    print(f"== {mode}: starting", flush=True)
+    t0 = time.monotonic()
+    rows = []
+    with started(mode, model, workdir / mode) as (url, servers):
+        print(f"   started in {time.monotonic() - t0:.0f} s", flush=True)
+        for i, rate in enumerate(rates):
+            seeded = replace(w, seed=w.seed + i)
+            rows.append(_measure_rate(mode, rate, seeded, url, servers))
+    return rows
+
+
+def _measure_rate(
+    mode: str, rate: float, w: Workload, url: str, servers: dict[str, Callable[[], dict[str, float]]]
+) -> Row:
+    t0 = time.monotonic()
+    before = _engine_totals(servers)
+    served_before = {} if mode == "single" else _router_served(url)
+    results = asyncio.run(run_workload(url, conversations(w), rate, w.reply_tokens, w.seed))
+    after = _engine_totals(servers)
+    served = {} if mode == "single" else _router_served(url)
     delta = {r: {k: after[r][k] - before[r][k] for k in after[r]} for r in after}
     cell = loadbench.summarize(0, rate, results, 1.0)
     row = Row(
@@ -191,7 +210,7 @@ def measure(mode: str, rate: float, w: Workload, model: Path, workdir: Path) -> 
         served={k: v - served_before.get(k, 0.0) for k, v in served.items() if v - served_before.get(k, 0.0)},
         errors=cell.errors,
     )  # fmt: skip
-    print(f"   {row}", flush=True)
+    print(f"   {rate:g}/s in {time.monotonic() - t0:.0f} s: {row}", flush=True)
     return row
 
 
@@ -207,7 +226,7 @@ def table(rows: list[Row]) -> str:
             f"{c['single']:.0f}" if "single" in c
             else f"{c['prefill']:.0f} + {c['decode']:.0f} = {c['prefill'] + c['decode']:.0f}"
         )  # fmt: skip
-        served = ", ".join(f"{k.strip('{}')}: {v:.0f}" for k, v in sorted(r.served.items())) or "-"
+        served = ", ".join(f"{k}: {v:.0f}" for k, v in sorted(r.served.items())) or "-"
         cols = [
             f"{r.rate:g}", r.mode, f"{r.ok}/{r.failed}",
             f"{r.ttft_ms['p50']:.1f} / {r.ttft_ms['p99']:.1f}",
@@ -260,16 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     model = ensure("llama")
     rows: list[Row] = []
+    rates = [float(x) for x in args.rates.split(",")]
     with tempfile.TemporaryDirectory(prefix="prefix-bench-") as tmp:
-        for rate in (float(x) for x in args.rates.split(",")):
-            for mode in modes:
-                try:
-                    rows.append(measure(mode, rate, w, model, Path(tmp)))
-                except Exception as exc:  # one broken mode must not lose the others' numbers
-                    print(f"== {mode}: FAILED: {exc!r}"[:2000], file=sys.stderr)
+        for mode in modes:
+            try:
+                rows += measure(mode, rates, w, model, Path(tmp))
+            except Exception as exc:  # one broken mode must not lose the others' numbers
+                print(f"== {mode}: FAILED: {exc!r}"[:2000], file=sys.stderr)
+    rows.sort(key=lambda r: (r.rate, MODES.index(r.mode)))
     if not rows:
         return 1
-    turns = sum(len(c) for c in conversations(w))
+    turns = sum(len(c) for c in conversations(w))  # per rate (seed + rate index)
     text = (
         f"Workload: {w.conversations} conversations, {turns} turns, system prompt {w.system_tokens} tokens, "
         f"replies {w.reply_tokens} tokens, block {BLOCK} tokens, seed {w.seed}.\n\n"
