@@ -85,6 +85,10 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             block_size=block,
             dtype=shape.dtype,
             connector_extra=dict(extra),
+            # D answers the reference first: with its prefix cache it would then hold each prompt and
+            # receive only the tail; this matrix moves whole prompts (tests/e2e/test_prefix_cache_pd.py
+            # covers partial pushes)
+            prefix_caching=False,
         )
 
     servers = {
