@@ -96,7 +96,10 @@ class NotControlled(KubeError):
         return self.message
 
 
-APPLY_ATTEMPTS = 4  # reads + conditional applies of one object before giving up (it keeps changing)
+APPLY_ATTEMPTS = 4
+# A resourceVersion no stored object has: an etcd store starts at revision 1 and every write moves it on,
+# so objects carry 2 and up. An apply carrying it can only create.
+NEVER_STORED = "1"  # reads + conditional applies of one object before giving up (it keeps changing)
 
 
 def controller(obj: dict[str, Any]) -> dict[str, Any] | None:
@@ -124,6 +127,8 @@ class Kube:
     requests: Counter = field(default_factory=Counter)  # "VERB kind" -> count
     forbidden: Counter = field(default_factory=Counter)  # 403s by "VERB kind": RBAC gaps show up here
     on_request: Callable[[str, str, int], None] | None = None  # (verb, kind, HTTP status) hook for metrics
+    # (namespace, name) -> the CR as the operator's last status write stored it (status/publish.py)
+    written: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -198,16 +203,26 @@ class Kube:
         found = items[0] if items else None
         return found, (found or data)["metadata"].get("resourceVersion", "")
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, obj: dict[str, Any], *, absent: bool = False) -> dict[str, Any]:
         """Server-side apply `obj` as field manager `kvferry`; returns the object as stored.
 
         Only over an object `obj`'s controller owner reference controls, or to create an absent one:
         raises NotControlled (and writes nothing) when something else holds the name, even if it
         appeared a moment before the write (see the module docstring).
+
+        absent: the caller's watch holds no object of this name. The read is skipped and the apply
+        carries a resourceVersion no stored object has: it creates the object in one request, and
+        anything that holds the name makes it fail (409) untouched, after which the usual read,
+        check and conditional apply run.
         """
         kind, meta = obj["kind"], obj["metadata"]
         ns, name = meta.get("namespace"), meta["name"]
         what = f"apply {kind} {ns}/{name}"
+        if absent:
+            status, data = self._apply_at(obj, NEVER_STORED, force=False)
+            if status != 409:
+                return self._ok(status, data, what)
+            # Something holds the name after all (the watch was behind, or a foreign object): as below.
         for _ in range(APPLY_ATTEMPTS):
             existing, version = self.observe(kind, ns, name)
             if existing is not None and (why := not_ours(existing, obj)) is not None:

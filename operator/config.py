@@ -49,6 +49,17 @@ def check_template(template: str) -> str:
     return template
 
 
+SHARD_PATTERN = r"^\d{1,4}/\d{1,4}$"
+
+
+def check_shard(shard: str) -> str:
+    """`shard` if it reads i/n with 0 <= i < n; else ValueError naming what is wrong."""
+    index, _, count = shard.partition("/")
+    if not (index.isdigit() and count.isdigit()) or not 0 <= int(index) < int(count):
+        raise ValueError(f"KVFERRY_SHARD/--shard {shard!r}: must be i/n with 0 <= i < n (e.g. 0/2 and 1/2)")
+    return shard
+
+
 def setting(default: Any, env: str, doc: str) -> Any:
     return field(default=default, metadata={"env": env, "doc": doc})
 
@@ -118,6 +129,36 @@ class OperatorConfig:
     metrics_host: str = setting(
         "0.0.0.0", "KVFERRY_METRICS_HOST", "Address the operator's /metrics binds to."
     )
+    shard: Annotated[str, msgspec.Meta(pattern=SHARD_PATTERN)] = setting(
+        "0/1",
+        "KVFERRY_SHARD",
+        "This replica's shard, i/n: it serves the CRs whose namespace/name hashes to i of n "
+        "(shard.py). 0/1 = every CR. Sharded replicas run standalone (the chart gives each its own).",
+    )
+    transfer_source: Annotated[str, msgspec.Meta(pattern="^(router|pods)$")] = setting(
+        "router",
+        "KVFERRY_TRANSFER_SOURCE",
+        "Where transfer status comes from: 'router' = one request per CR to its router's "
+        "/kvferry/pool-metrics (the router aggregates its engines), 'pods' = every engine pod's /metrics.",
+    )
+    pool_metrics_url: str = setting(
+        "http://{pod_ip}:{port}/kvferry/pool-metrics",
+        "KVFERRY_POOL_METRICS_URL",
+        "Where a CR's router serves its pool's metrics: template over one running router pod, same "
+        "placeholders as KVFERRY_METRICS_URL.",
+    )
+    status_interval: Annotated[float, msgspec.Meta(ge=0)] = setting(
+        1.0,
+        "KVFERRY_STATUS_INTERVAL",
+        "Least seconds between two status refreshes of one CR from workload events (the events in "
+        "between are folded into one patch).",
+    )
+    legacy_reconcile: bool = setting(
+        False,
+        "KVFERRY_LEGACY_RECONCILE",
+        "Benchmark hook: behave as before issue 19 (apply every object on every reconcile, a status "
+        "patch per workload event, render on every owned event). Keep false.",
+    )
     apply_pause_seconds: Annotated[float, msgspec.Meta(ge=0)] = setting(
         0.0,
         "KVFERRY_APPLY_PAUSE_SECONDS",
@@ -126,6 +167,21 @@ class OperatorConfig:
 
     def __post_init__(self) -> None:
         check_template(self.metrics_url)  # fail at start-up, not on every scrape
+        check_template(self.pool_metrics_url)
+        check_shard(self.shard)
+
+    @property
+    def peering_name(self) -> str:
+        """The kopf peering replicas elect a leader in: one per shard, so shards never pause each other."""
+        base = self.peering or "kvferry"
+        index, count = self.shard_of
+        return base if count == 1 else f"{base}-shard-{index}-of-{count}"
+
+    @property
+    def shard_of(self) -> tuple[int, int]:
+        """(index, count) of this replica's shard."""
+        index, count = self.shard.split("/")
+        return int(index), int(count)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorConfig:

@@ -88,3 +88,18 @@ def drifted(desired: dict[str, Any], actual: dict[str, Any]) -> bool:
         if key in desired and not is_subset(desired[key], actual.get(key), key):
             return True
     return not is_subset(desired["metadata"].get("labels", {}), actual["metadata"].get("labels", {}))
+
+
+def up_to_date(desired: dict[str, Any], stored: dict[str, Any]) -> bool:
+    """Whether applying `desired` over `stored` would change nothing we render: every top-level field,
+    labels, annotations and owner references. (`drifted` is the narrower test for watch events.)"""
+    meta, have = desired["metadata"], stored.get("metadata") or {}
+    for key, value in desired.items():
+        if key not in ("apiVersion", "kind", "metadata", "status") and not is_subset(
+            value, stored.get(key), key
+        ):
+            return False
+    return all(
+        is_subset(meta.get(key, {} if key != "ownerReferences" else []), have.get(key), key)
+        for key in ("labels", "annotations", "ownerReferences")
+    )

@@ -1,9 +1,13 @@
 """Handlers step: the kopf table of contents. Each handler is a few lines that call reconcile/scrape.
 
 - CR created/updated/resumed -> `reconcile` (render, apply, status).
-- A managed StatefulSet/Deployment/Service/ConfigMap changes -> `on_owned_change` (re-apply on drift or
-  deletion, else refresh status from the watched objects): the level-based re-trigger.
-- Timers per CR: transfer metrics (`scrape`) and a slow full resync (drift of unwatched kinds).
+- A managed StatefulSet/Deployment/Service/ConfigMap changes -> `changes` sorts the event: a shape
+  change goes to `on_owned_change` (re-apply on drift or deletion), a status-only change asks the
+  `coalesce` batcher for one status refresh of the CR, an event that changed neither does nothing.
+- Timers per CR: transfer metrics (`scrape`) and a slow full resync (drift the watches missed).
+- Shards: with KVFERRY_SHARD=i/n every handler, timer and index takes only the CRs `shard.owns`.
+- Indexes: the CRs, their workloads by role, and every managed object ("copies"), so a reconcile
+  writes only what differs from the watch's copy.
 Handlers return None so kopf writes nothing into status; its progress lives in kvferry.io annotations.
 """
 
@@ -13,8 +17,10 @@ import logging
 from typing import Any
 
 import kopf
-from kvferry.operator import names, peering, reconcile, selfmetrics
-from kvferry.operator.apply import Kube, load_configuration
+from kvferry.operator import names, peering, reconcile, selfmetrics, shard
+from kvferry.operator.apply import RENDERED_KINDS, RESOURCES, Kube, load_configuration
+from kvferry.operator.changes import Change, Changes
+from kvferry.operator.coalesce import Coalescer
 from kvferry.operator.config import OperatorConfig
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 from kvferry.operator.status import publish, scrape
@@ -29,6 +35,19 @@ WATCHED = [
     ("", "v1", "services"),
     ("", "v1", "configmaps"),
 ]
+
+
+# (group, version, plural) of every kind a CR's render produces: indexed so unchanged objects are not
+# re-applied.
+def _gvp(kind: str) -> tuple[str, str, str]:
+    """(group, version, plural) of a kind in apply.RESOURCES ("/apis/apps/v1" -> apps, v1)."""
+    prefix, plural = RESOURCES[kind]
+    group_version = prefix.removeprefix("/apis/").removeprefix("/api/")
+    group, _, version = group_version.rpartition("/")
+    return group, version, plural
+
+
+ALL_RENDERED = [_gvp(kind) for kind in RENDERED_KINDS]
 RETRY_DELAY_S = 10
 CONFLICT_RETRY_S = 60  # a foreign object of our name goes away only when a person acts
 
@@ -79,8 +98,33 @@ def watched_by(owned: Any, cr: Any) -> publish.Watched:
     return lambda role: _first(owned, (ns, name, role))
 
 
+def stored_by(copies: Any, cr: Any) -> reconcile.Stored:
+    """The CR's objects as the watch last saw them ((kind, name) -> copy), None where not indexed."""
+    ns, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
+    if copies is None:
+        return reconcile.nothing_stored
+    return lambda kind, obj_name: _first(copies, (ns, name, kind, obj_name))
+
+
+def _stripped(body: Any) -> dict[str, Any]:
+    """A watched object without what a reconcile never reads (managedFields are most of its size)."""
+    workload = body.get("kind") in ("StatefulSet", "Deployment")
+    obj = {k: v for k, v in dict(body).items() if k != "status" or workload}
+    obj["metadata"] = {k: v for k, v in dict(body["metadata"]).items() if k != "managedFields"}
+    return obj
+
+
 def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     """Attach every handler to `registry`, with intervals taken from `cfg`."""
+    index, count = cfg.shard_of
+    legacy = cfg.legacy_reconcile
+
+    def mine(namespace: str, name: str, **_: Any) -> bool:
+        return shard.owns(namespace, name, index, count)
+
+    def mine_owned(body: kopf.Body, **_: Any) -> bool:
+        key = owner_key(body)
+        return key is not None and shard.owns(*key, index, count)
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -94,10 +138,27 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         memo.kube = Kube.from_kubeconfig(cfg.kubeconfig or None)
         memo.kube.on_request = selfmetrics.record_request
         if cfg.peering and not cfg.standalone:  # startup runs before kopf starts peering
-            peering.ensure_peering(memo.kube, cfg.peering, cfg.namespaces)
+            peering.ensure_peering(memo.kube, cfg.peering_name, cfg.namespaces)
         if cfg.metrics_port:
             selfmetrics.serve(cfg.metrics_port, cfg.metrics_host)
         memo.fetch = scrape.http_fetcher(cfg.metrics_timeout)
+        memo.changes = Changes()
+        # kopf gives each object a shallow copy of this memo: a dict set here is shared by all of them.
+        memo.views = {}
+        memo.refreshes = None if legacy else Coalescer(refresher(memo), cfg.status_interval)
+
+    def refresher(memo: kopf.Memo) -> Any:
+        def refresh(key: Any) -> None:
+            # kopf hands indexes to handlers only: the workload handlers leave them in memo.views.
+            inferences, owned = memo.views["inferences"], memo.views["owned"]
+            cr = _first(inferences, key)
+            if cr is None or cr["metadata"].get("deletionTimestamp"):
+                return  # deleted meanwhile
+            watched = watched_by(owned, cr)
+            outcome = timed("owned", lambda: reconcile.refresh_status(memo.kube, cr, watched))
+            post(_ref(cr), outcome)
+
+        return refresh
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
@@ -118,39 +179,61 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
 
     @kopf.on.cleanup(registry=registry)
     def close(memo: kopf.Memo, **_: Any) -> None:
+        if memo.refreshes is not None:
+            memo.refreshes.close()
         memo.kube.close()
 
-    @kopf.index(*CR, id="inferences", registry=registry)
+    @kopf.index(*CR, id="inferences", when=mine, registry=registry)
     def inferences(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict:
         return {(namespace, name): _plain(body)}
 
-    @kopf.index("apps", "v1", "statefulsets", labels=MANAGED, id="owned", registry=registry)
-    @kopf.index("apps", "v1", "deployments", labels=MANAGED, id="owned", registry=registry)
+    @kopf.index("apps", "v1", "statefulsets", labels=MANAGED, id="owned", when=mine_owned, registry=registry)
+    @kopf.index("apps", "v1", "deployments", labels=MANAGED, id="owned", when=mine_owned, registry=registry)
     def owned(body: kopf.Body, **_: Any) -> dict:
         key = owner_key(body)
         role = body["metadata"].get("labels", {}).get(names.LABEL_ROLE)
         return {(*key, role): _plain(body)} if key else {}
 
-    @kopf.on.resume(*CR, id="reconcile", registry=registry)
-    @kopf.on.create(*CR, id="reconcile", registry=registry)
-    @kopf.on.update(*CR, id="reconcile", registry=registry)
+    if not legacy:
+        for group, version, plural in ALL_RENDERED:
+
+            @kopf.index(
+                group, version, plural, labels=MANAGED, id="copies", when=mine_owned, registry=registry
+            )
+            def copies(body: kopf.Body, **_: Any) -> dict:
+                key = owner_key(body)
+                return {(*key, body["kind"], body["metadata"]["name"]): _stripped(body)} if key else {}
+
+    @kopf.on.resume(*CR, id="reconcile", when=mine, registry=registry)
+    @kopf.on.create(*CR, id="reconcile", when=mine, registry=registry)
+    @kopf.on.update(*CR, id="reconcile", when=mine, registry=registry)
     def reconcile_cr(
-        body: kopf.Body, memo: kopf.Memo, reason: kopf.Reason, owned: kopf.Index, **_: Any
+        body: kopf.Body, memo: kopf.Memo, reason: kopf.Reason, owned: kopf.Index, **indexes: Any
     ) -> None:
         trigger = getattr(reason, "value", str(reason))
-        kw = {"trigger": trigger, "watched": watched_by(owned, body)}
+        stored = stored_by(indexes.get("copies"), body)  # no such index in legacy mode
+        kw = {"trigger": trigger, "watched": watched_by(owned, body), "stored": stored}
         outcome = timed(trigger, lambda: reconcile.reconcile(memo.kube, _plain(body), cfg, **kw))
         post(body, outcome)
         raise_for(outcome)
 
     for group, version, plural in WATCHED:
 
-        @kopf.on.event(group, version, plural, labels=MANAGED, registry=registry, id=f"owned-{plural}")
+        @kopf.on.event(
+            group, version, plural, labels=MANAGED, when=mine_owned, registry=registry, id=f"owned-{plural}"
+        )
         def owned_changed(
             event: dict, body: kopf.Body, memo: kopf.Memo, inferences: kopf.Index, owned: kopf.Index, **_: Any
         ) -> None:
             key = owner_key(body)
             cr = _first(inferences, key) if key else None
+            memo.views.update(inferences=inferences, owned=owned)
+            change = memo.changes.note(body, event.get("type")) if not legacy else None
+            if change is Change.NONE:
+                return  # nothing we render or show moved (our own apply, an annotation, the listing)
+            if change is Change.REFRESH and cr is not None and memo.refreshes is not None:
+                memo.refreshes.request(key)  # folded with the CR's other workload events into one patch
+                return
             if cr is None or event.get("type") not in ("MODIFIED", "DELETED"):
                 log.debug(
                     "owned event %s %s: owner %s %s",
@@ -163,18 +246,30 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             if cr["metadata"].get("deletionTimestamp"):
                 return  # the GC is removing everything; re-applying would fight it
             kw = {"event_type": event["type"], "obj": _plain(body), "watched": watched_by(owned, cr)}
+            if memo.refreshes is not None:
+                kw["refresh"] = lambda: memo.refreshes.request(key)
             outcome = timed("owned", lambda: reconcile.on_owned_change(memo.kube, cr, cfg, **kw))
             post(_ref(cr), outcome)
 
     @kopf.timer(
-        *CR, id="transfer-status", interval=cfg.metrics_interval, initial_delay=1.0, registry=registry
+        *CR,
+        id="transfer-status",
+        interval=cfg.metrics_interval,
+        initial_delay=1.0,
+        when=mine,
+        registry=registry,
     )
     def transfer_status(body: kopf.Body, memo: kopf.Memo, owned: kopf.Index, **_: Any) -> None:
         events = scrape.scrape(memo.kube, _plain(body), cfg, memo.fetch, watched_by(owned, body))
         post(body, reconcile.Outcome(events=events))
 
     @kopf.timer(
-        *CR, id="resync", interval=cfg.resync_interval, initial_delay=cfg.resync_interval, registry=registry
+        *CR,
+        id="resync",
+        interval=cfg.resync_interval,
+        initial_delay=cfg.resync_interval,
+        when=mine,
+        registry=registry,
     )
     def resync(body: kopf.Body, memo: kopf.Memo, owned: kopf.Index, **_: Any) -> None:
         kw = {"trigger": "resync", "watched": watched_by(owned, body)}

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.operator import names, secrets
-from kvferry.operator.apply import Kube, KubeError, NotControlled
+from kvferry.operator.apply import Kube, KubeError, NotControlled, not_ours
 from kvferry.operator.config import OperatorConfig
-from kvferry.operator.drift import drifted
+from kvferry.operator.drift import drifted, up_to_date
 from kvferry.operator.render.objects import render
 from kvferry.operator.spec import SpecError
 from kvferry.operator.status import conditions as status
@@ -24,6 +25,15 @@ from kvferry.operator.status.publish import Watched, no_watch, publish
 
 log = logging.getLogger("kvferry.operator")
 Event = tuple[str, EventReason, str]  # (Normal|Warning, reason, message)
+# (kind, name) -> the watch's copy of that object of this CR, or None (not seen, or not watched).
+Stored = Callable[[str, str], dict[str, Any] | None]
+# Triggers that apply every object whatever the watch holds: the resync exists to catch what a watch
+# cannot (an edit the watch missed), a drift correction re-applies what was edited.
+APPLY_ALL = ("resync", "drift")
+
+
+def nothing_stored(_kind: str, _name: str) -> dict[str, Any] | None:
+    return None
 
 
 @dataclass
@@ -35,17 +45,52 @@ class Outcome:
     conflict: str = ""  # objects of our names that another owner controls: left alone, retried slowly
     drifted: list[str] = field(default_factory=list)
     gone: str = ""  # the namespace is being deleted: nothing to do, nothing to retry
+    skipped: int = 0  # objects whose watched copy already held the render: no request made
 
 
-def observed_replicas(kube: Kube, cr: dict[str, Any]) -> dict[str, int | None]:
+def observed_replicas(
+    kube: Kube, cr: dict[str, Any], stored: Stored = nothing_stored
+) -> dict[str, int | None]:
     """Current replicas of roles an autoscaler owns (read back so the apply never moves them)."""
     meta, spec = cr["metadata"], cr.get("spec") or {}
     out: dict[str, int | None] = {}
     for role in names.ROLES:
         if (spec.get(role) or {}).get("replicasOwner") == "autoscaler":
-            sts = kube.get("StatefulSet", meta["namespace"], names.role_name(meta["name"], role))
+            sts_name = names.role_name(meta["name"], role)
+            sts = stored("StatefulSet", sts_name) or kube.get("StatefulSet", meta["namespace"], sts_name)
             out[role] = sts["spec"].get("replicas") if sts else None
     return out
+
+
+def apply_all(
+    kube: Kube, objects: list[dict[str, Any]], stored: Stored, cfg: OperatorConfig, out: Outcome
+) -> tuple[dict[tuple[str, str], dict[str, Any]], list[str], list[str]]:
+    """Apply what differs from the watch's copy; returns (objects as stored, errors, conflicts).
+
+    An object whose watched copy is this CR's and already holds every rendered field is not written
+    (its copy stands for the apply's answer); one the watch has never seen is created in one request.
+    Raises KubeError only for a namespace being deleted.
+    """
+    applied: dict[tuple[str, str], dict[str, Any]] = {}
+    errors, conflicts = [], []
+    for obj in objects:
+        key = (obj["kind"], obj["metadata"]["name"])
+        copy = stored(*key)
+        if copy is not None and not_ours(copy, obj) is None and up_to_date(obj, copy):
+            applied[key], out.skipped = copy, out.skipped + 1
+            continue
+        try:
+            absent = copy is None and stored is not nothing_stored
+            applied[key] = kube.apply(obj, absent=True) if absent else kube.apply(obj)
+        except NotControlled as exc:
+            conflicts.append(str(exc))
+        except KubeError as exc:
+            if exc.namespace_terminating:
+                raise
+            errors.append(str(exc))
+        if cfg.apply_pause_seconds:
+            time.sleep(cfg.apply_pause_seconds)
+    return applied, errors, conflicts
 
 
 def flip_events(previous: dict[str, Any], new: dict[str, Any]) -> list[Event]:
@@ -73,9 +118,21 @@ def flip_events(previous: dict[str, Any], new: dict[str, Any]) -> list[Event]:
 
 
 def reconcile(
-    kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, *, trigger: str, watched: Watched = no_watch
+    kube: Kube,
+    cr: dict[str, Any],
+    cfg: OperatorConfig,
+    *,
+    trigger: str,
+    watched: Watched = no_watch,
+    stored: Stored = nothing_stored,
 ) -> Outcome:
-    """Bring the cluster to what `cr` asks for, then write its status."""
+    """Bring the cluster to what `cr` asks for, then write its status.
+
+    stored: the watch's copies of this CR's objects; objects they show up to date are not re-applied
+    (except on the triggers in APPLY_ALL).
+    """
+    if trigger in APPLY_ALL:
+        stored = nothing_stored
     meta = cr["metadata"]
     ns, name, generation = meta["namespace"], meta["name"], meta.get("generation", 0)
     previous = cr.get("status") or {}
@@ -86,7 +143,7 @@ def reconcile(
             cr,
             registry=cfg.image_registry,
             router_image=cfg.router_image,
-            observed_replicas=observed_replicas(kube, cr),
+            observed_replicas=observed_replicas(kube, cr, stored),
             operator_namespace=cfg.operator_namespace,
         )
     except SpecError as exc:
@@ -107,20 +164,11 @@ def reconcile(
     # Step 2: server-side apply every object we control; keep going past failures so one bad object
     # blocks nothing. An object of a rendered name that this CR does not control is left untouched:
     # apply writes only over what it has just read as this CR's, on that read's resourceVersion.
-    applied: dict[tuple[str, str], dict[str, Any]] = {}
-    errors, conflicts = [], []
-    for obj in rendered.objects:
-        try:
-            applied[(obj["kind"], obj["metadata"]["name"])] = kube.apply(obj)
-        except NotControlled as exc:
-            conflicts.append(str(exc))
-        except KubeError as exc:
-            if exc.namespace_terminating:
-                log.info("namespace %s is being deleted: not reconciling %s", ns, name)
-                return Outcome(gone=f"namespace {ns} is being deleted")
-            errors.append(str(exc))
-        if cfg.apply_pause_seconds:
-            time.sleep(cfg.apply_pause_seconds)
+    try:
+        applied, errors, conflicts = apply_all(kube, rendered.objects, stored, cfg, out)
+    except KubeError:  # only a namespace being deleted gets here
+        log.info("namespace %s is being deleted: not reconciling %s", ns, name)
+        return Outcome(gone=f"namespace {ns} is being deleted")
     out.failed, out.conflict = "; ".join(errors), "; ".join(conflicts)
     if out.conflict:
         out.events.append(("Warning", EventReason.CONFLICT, out.conflict))
@@ -157,10 +205,12 @@ def on_owned_change(
     event_type: str,
     obj: dict[str, Any],
     watched: Watched,
+    refresh: Callable[[], None] | None = None,
 ) -> Outcome:
     """A managed object changed: re-apply if it was deleted or edited, else just refresh status.
 
     watched: the CR's StatefulSets ("prefill"/"decode") and router Deployment ("router") as last watched.
+    refresh: asks for a (batched) status refresh instead of writing one now.
     """
     kind, obj_name = obj["kind"], obj["metadata"]["name"]
     try:
@@ -190,6 +240,9 @@ def on_owned_change(
             ("Normal", EventReason.DRIFT_CORRECTED, f"{kind} {obj_name} was {verb}; re-applied")
         )
         return out
+    if refresh is not None:
+        refresh()
+        return Outcome()
     return refresh_status(kube, cr, watched)
 
 

@@ -1,7 +1,8 @@
 """Run step: `kvferry operator` parses flags/env into OperatorConfig and runs kopf with our handlers.
 
 Cluster-wide by default; `--namespace` (repeatable) narrows it. More than one replica elects a leader
-through kopf peering (`--peering`, crds/kopf-peerings.yaml); `--standalone` skips peering.
+through kopf peering (`--peering`, crds/kopf-peerings.yaml); `--standalone` skips peering. `--shard i/n`
+splits the CRs between n replicas (operator/shard.py), each electing its leader in its own peering.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 
 import kopf
 from kvferry.operator import handlers
-from kvferry.operator.config import OperatorConfig, check_template
+from kvferry.operator.config import OperatorConfig, check_shard, check_template
 
 
 def parse(argv: list[str]) -> tuple[OperatorConfig, bool]:
@@ -42,12 +43,25 @@ def parse(argv: list[str]) -> tuple[OperatorConfig, bool]:
     p.add_argument("--metrics-url", default=base.metrics_url, help="engine metrics URL template")
     p.add_argument("--resync-interval", type=float, default=base.resync_interval)
     p.add_argument("--liveness", default=base.liveness, help="host:port for /healthz")
+    p.add_argument(
+        "--shard", default=base.shard, help="serve shard i of n of the CRs (i/n, e.g. 0/2); default 0/1 = all"
+    )
+    p.add_argument(
+        "--transfer-source",
+        choices=("router", "pods"),
+        default=base.transfer_source,
+        help="read transfer metrics through each CR's router (one request per CR) or from every engine pod",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     if args.namespaces and args.all_namespaces:
         p.error("--namespace and --all-namespaces are exclusive")
     try:
         check_template(args.metrics_url)
+    except ValueError as exc:
+        p.error(str(exc))
+    try:
+        check_shard(args.shard)
     except ValueError as exc:
         p.error(str(exc))
     for name in ("metrics_interval", "resync_interval"):
@@ -66,6 +80,8 @@ def parse(argv: list[str]) -> tuple[OperatorConfig, bool]:
         metrics_url=args.metrics_url,
         resync_interval=args.resync_interval,
         liveness=args.liveness,
+        shard=args.shard,
+        transfer_source=args.transfer_source,
     ), args.verbose
 
 
@@ -81,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers.register(registry, cfg)
     settings = kopf.OperatorSettings()
     settings.peering.mandatory = bool(cfg.peering)
-    settings.peering.name = cfg.peering or "kvferry"
+    settings.peering.name = cfg.peering_name
     settings.peering.priority = cfg.priority
     settings.peering.standalone = cfg.standalone
     kopf.run(

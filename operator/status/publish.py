@@ -10,6 +10,7 @@ other writer wrote, and a writer whose watched workloads moved on during its wri
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -43,6 +44,33 @@ def desired_replicas(
 
 
 STATUS_ATTEMPTS = 4
+# The CR as our last status write stored it is kept on the client (`Kube.written`, by namespace/name):
+# a writer whose copy came from the watch (which lags behind our own writes) starts from it instead of
+# drawing a 409 and a read.
+WRITTEN_MAX = 10_000
+_written_lock = threading.Lock()
+
+
+def _last_written(kube: Kube, key: tuple[str, str]) -> dict[str, Any] | None:
+    written = getattr(kube, "written", None)
+    if written is None:
+        return None
+    with _written_lock:
+        found: dict[str, Any] | None = written.get(key)
+    return found
+
+
+def _remember(kube: Kube, key: tuple[str, str], stored: Any) -> None:
+    written = getattr(kube, "written", None)
+    if written is None or not isinstance(stored, dict):
+        return
+    if not (stored.get("metadata") or {}).get("resourceVersion"):
+        return
+    with _written_lock:
+        written.pop(key, None)
+        written[key] = {k: stored[k] for k in ("metadata", "spec", "status") if k in stored}
+        while len(written) > WRITTEN_MAX:  # bounded: the oldest entries go first
+            del written[next(iter(written))]
 
 
 def write_status(
@@ -55,13 +83,16 @@ def write_status(
     the other's conditions with a stale copy. Returns the patch written (or that needed no write).
     """
     meta = cr["metadata"]
+    key = (meta["namespace"], meta["name"])
+    cr = newer(cr, _last_written(kube, key)) or cr  # our last write may be newer than the caller's copy
     for _ in range(STATUS_ATTEMPTS):
         previous = cr.get("status") or {}
         patch = compute(previous)
         if all(previous.get(k) == v for k, v in patch.items()):
             return patch
         try:
-            kube.patch_status(meta["namespace"], meta["name"], patch, cr["metadata"].get("resourceVersion"))
+            stored = kube.patch_status(*key, patch, cr["metadata"].get("resourceVersion"))
+            _remember(kube, key, stored)
             return patch
         except KubeError as exc:
             if exc.status != 409:

@@ -1,7 +1,10 @@
-"""Scrape step: read the engine pods' /metrics, write status.transfer and the TransferHealthy condition.
+"""Scrape step: read the transfer metrics of a CR's engines, write status.transfer and TransferHealthy.
 
-Runs from a kopf timer per CR. Fetching is bounded (per-pod timeout, response size cap) and a pod that
-does not answer only lowers `scrapedPods`; parsing and the verdict are in transfer_metrics.py (pure).
+Runs from a kopf timer per CR. By default (KVFERRY_TRANSFER_SOURCE=router) it makes one request, to
+the CR's router, which gathers its pool's engine metrics (router/poolstatus.py): the operator's work
+grows with CRs, not pods. With `pods` it reads every engine pod's /metrics itself. Fetching is bounded
+(timeout, response size cap) and a pod that does not answer only lowers `scrapedPods`; parsing and
+the verdict are in transfer.py (pure).
 
 Where it fetches is the operator's own setting (KVFERRY_METRICS_URL), never anything a CR says: a
 cluster-wide operator fetching a URL a CR author chose would let anyone who may edit one CR reach cloud
@@ -15,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import msgspec
 from kvferry.operator import names, selfmetrics
 from kvferry.operator.apply import Kube, now_iso
 from kvferry.operator.config import OperatorConfig, check_template
@@ -82,6 +86,63 @@ def metrics_urls(pods: list[dict[str, Any]], template: str, cr_name: str) -> dic
     return urls
 
 
+def _owned_by_router(pod: dict[str, Any], cr_name: str) -> bool:
+    """Whether the pod is one of the CR's router Deployment's (through its ReplicaSet, named after it)."""
+    prefix = names.router_name(cr_name) + "-"
+    refs = pod["metadata"].get("ownerReferences") or []
+    return any(
+        r.get("controller") and r.get("kind") == "ReplicaSet" and str(r.get("name", "")).startswith(prefix)
+        for r in refs
+    )
+
+
+def router_url(pods: list[dict[str, Any]], template: str, cr_name: str) -> str | None:
+    """The pool-metrics URL of one running router pod of the CR (None: no router runs)."""
+    check_template(template)
+    for pod in pods:
+        meta, st = pod["metadata"], pod.get("status", {})
+        if meta.get("labels", {}).get(names.LABEL_ROLE) != "router" or st.get("phase") != "Running":
+            continue
+        if meta.get("deletionTimestamp") or not _owned_by_router(pod, cr_name):
+            continue
+        fields = dict(
+            pod=meta["name"], pod_ip=st.get("podIP", ""), namespace=meta["namespace"], port=names.HTTP_PORT
+        )
+        return template.format_map({**fields, "role": "router"})
+    return None
+
+
+class PoolMetrics(msgspec.Struct):
+    """The router's answer (router/poolstatus.py): engine metric texts by role."""
+
+    prefill: list[str]
+    decode: list[str]
+
+
+def texts_from_router(
+    pods: list[dict[str, Any]], cfg: OperatorConfig, fetch: Fetch, cr_name: str
+) -> dict[str, list[str]]:
+    """Role -> engine metric texts, read through the CR's router in one request (empty if it did not
+    answer, or answered something else: the verdict then says no metrics could be read)."""
+    url = router_url(pods, cfg.pool_metrics_url, cr_name)
+    body = fetch(url) if url else None
+    try:
+        pool = msgspec.json.decode(body, type=PoolMetrics) if body is not None else None
+    except msgspec.DecodeError:
+        pool = None
+    return {"prefill": pool.prefill, "decode": pool.decode} if pool else {role: [] for role in names.ROLES}
+
+
+def texts_from_pods(
+    pods: list[dict[str, Any]], cfg: OperatorConfig, fetch: Fetch, cr_name: str
+) -> dict[str, list[str]]:
+    """Role -> metric texts of every running engine pod, one request each."""
+    return {
+        role: [t for t in map(fetch, urls) if t is not None]
+        for role, urls in metrics_urls(pods, cfg.metrics_url, cr_name).items()
+    }
+
+
 def _watched_or_read(kube: Kube, cr: dict[str, Any], watched: Watched) -> Watched:
     """The watch's copy of each workload, else one read (a timer may fire before the index has it)."""
     meta = cr["metadata"]
@@ -103,10 +164,8 @@ def scrape(
         return []  # nothing rendered yet
     pods = kube.list("Pod", meta["namespace"], {names.LABEL_NAME: names.fit(meta["name"])})
     refusal = podchecks.start_failure(pods)  # a kvferry start-up step refused: pods never serve
-    texts = {
-        role: [t for t in map(fetch, urls) if t is not None]
-        for role, urls in metrics_urls(pods, cfg.metrics_url, meta["name"]).items()
-    }
+    read = texts_from_router if cfg.transfer_source == "router" else texts_from_pods
+    texts = read(pods, cfg, fetch, meta["name"])
     kv = spec.get("kvTransfer") or {}
     verdicts: list[Verdict] = []
 

@@ -102,9 +102,10 @@ class OperatorProcess:
             *args,
         ]
         self._out = log.open("ab")
-        self.proc = subprocess.Popen(
-            argv, stdout=self._out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-        )
+        # kwok pods serve nothing: engine metrics come from test servers through --metrics-url, read
+        # pod by pod. The router path (one request per CR) has its own test with a real router.
+        env = {**os.environ, "KVFERRY_TRANSFER_SOURCE": "pods", **(env or {})}
+        self.proc = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT, env=env)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")

@@ -22,6 +22,9 @@ from typing import Any
 
 import httpx
 import pytest
+from kvferry.contracts import metrics
+from kvferry.contracts.metrics import total
+from kvferry.contracts.pods import POOL_METRICS_PATH
 from kvferry.local.demo.stack import Stack, demo_cr, pod_ready
 from kvferry.local.demo.traffic import REQUEST_TIMEOUT_S, complete, fixed_prompts, greedy_texts
 from kvferry.local.nodeagent import image
@@ -176,6 +179,23 @@ def test_outputs_through_router_equal_single_instance_and_status_counts_transfer
     )
     assert int(cr["status"]["transfer"].get("failures") or 0) == 0
     assert "transfers" in stack.kubectl_get(NS).lower() or NAME in stack.kubectl_get(NS)
+
+
+def test_the_status_is_read_through_the_router_in_one_request(stack: Stack, router: str) -> None:
+    """Transfer status in O(services): the router serves its pool's engine metrics (router/poolstatus.py)
+    and the operator's count is the one the router gathered from the prefill engine."""
+    pool = httpx.get(router + POOL_METRICS_PATH, timeout=10).json()
+    assert pool["unreachable"] == {"prefill": 0, "decode": 0}, pool["unreachable"]
+    assert len(pool["prefill"]) == 1 and len(pool["decode"]) == 1
+    counted = sum(metric_sum(parse_metrics(t), total(metrics.TRANSFERS)) for t in pool["prefill"])
+    assert counted > 0
+    wait_until(
+        lambda: int(_transfer(stack).get("transfers") or 0) == int(counted),
+        f"status.transfer.transfers == the router's {counted:.0f}",
+        STATUS_S,
+        ignore=(KubeError,),
+    )
+    assert _transfer(stack)["scrapedPods"] == 2
 
 
 def test_killed_prefill_process_restarts_and_status_recovers(stack: Stack, router: str) -> None:

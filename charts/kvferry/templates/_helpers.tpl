@@ -97,6 +97,9 @@ Returned as a YAML list so templates can range over `fromYamlArray`.
 Fail early on value combinations the schema cannot express.
 */}}
 {{- define "kvferry.validate" -}}
+{{- if lt (int .Values.operator.shards) 1 }}
+{{- fail "operator.shards must be 1 or more" }}
+{{- end }}
 {{- if and (gt (int .Values.operator.replicas) 1) (not .Values.operator.leaderElection.enabled) }}
 {{- fail "operator.replicas > 1 needs operator.leaderElection.enabled=true: two active operators would fight over the same objects" }}
 {{- end }}

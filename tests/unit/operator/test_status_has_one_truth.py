@@ -108,7 +108,7 @@ class FakeKube:
         return c.get("status", ""), c.get("reason", "")
 
 
-CFG = OperatorConfig()
+CFG = OperatorConfig(transfer_source="pods")  # reads the fake pods; the router path: test_pool_status
 
 
 def _kube() -> FakeKube:
