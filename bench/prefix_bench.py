@@ -151,6 +151,7 @@ def started(
 ) -> Iterator[tuple[str, dict[str, Callable[[], dict[str, float]]]]]:
     """The mode's servers, running: (client URL, role -> metrics reader); stopped by PID on exit."""
     if mode == "single":
+        workdir.mkdir(parents=True, exist_ok=True)
         server = VllmProcess(
             ServerSpec(model, free_port(), cores="0-1", block_size=BLOCK), workdir / "single.log"
         )

@@ -82,7 +82,7 @@ class Limits(_Section, frozen=True, kw_only=True):
 class Disaggregation(_Section, frozen=True, kw_only=True):
     """Whether a request pays for P/D (router/scoring.py): always, or selective, where decode alone
     serves a request whose tokens decode lacks are fewer than min_prefill_tokens, or whose prompt
-    decode already holds at least decode_hit_fraction of."""
+    decode already holds at least decode_hit_fraction of (if decode holds at least as much as prefill)."""
 
     rule: Rule = "always"
     min_prefill_tokens: Count = 256

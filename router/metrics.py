@@ -45,8 +45,8 @@ class RouterMetrics:
         )
         self.served = Counter(
             "kvferry_router_served", "Requests by how they were served: path pd (prefill and decode) or "
-            "decode_only (decode prefills locally), and why (always, prefill_pays, short_prompt, "
-            "decode_holds_prefix)", ["path", "reason"], registry=r,
+            "decode_only (decode prefills locally), and why (always, prefill_pays, prefill_holds_more, "
+            "short_prompt, decode_holds_prefix)", ["path", "reason"], registry=r,
         )  # fmt: skip
         self.prompt_tokens = Counter(
             "kvferry_router_prompt_tokens", "Prompt tokens routed, by role of the engine that got them "

@@ -41,8 +41,10 @@ class Planner:
         keys = prompt_keys(prompt_text(req.path, req.body), r.block_tokens, r.chars_per_token)
         choice = self.selector.choose_for(pool, keys if self.index is not None else None)
         d = r.disaggregation
-        hit = keys.hit_tokens(choice.decode_hit_blocks)
-        decision = scoring.decide(d.rule, d.min_prefill_tokens, d.decode_hit_fraction, keys.tokens, hit)
+        d_hit, p_hit = keys.hit_tokens(choice.decode_hit_blocks), keys.hit_tokens(choice.prefill_hit_blocks)
+        decision = scoring.decide(
+            d.rule, d.min_prefill_tokens, d.decode_hit_fraction, keys.tokens, d_hit, p_hit
+        )
         plan = Plan(choice, decision, keys)
         self._account(plan)
         return plan

@@ -8,7 +8,9 @@ which then holds the prefix too. With no prefix held anywhere the choice is the 
 Selective disaggregation: a prefill leg costs a second engine, a transfer and decode's wait; it pays
 only when decode would otherwise compute many tokens. Decode alone serves a request whose tokens it
 lacks (prompt minus the prefix it holds) are fewer than `min_prefill_tokens`, or whose prompt it
-already holds at least `decode_hit_fraction` of.
+already holds at least `decode_hit_fraction` of, as long as it holds at least as much as the chosen
+prefill: decode alone then computes no more tokens than prefill would (P/D computes the prompt minus
+prefill's hit and pushes the prompt minus decode's; decode alone computes the prompt minus decode's).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from kvferry.router.config import Endpoint
 
 Path = Literal["pd", "decode_only"]
 # Why a request took its path (kvferry_router_served_total's reason label).
-ALWAYS, PREFILL_PAYS, SHORT_PROMPT, DECODE_HOLDS_PREFIX = (
-    "always", "prefill_pays", "short_prompt", "decode_holds_prefix"
+ALWAYS, PREFILL_PAYS, PREFILL_HOLDS_MORE, SHORT_PROMPT, DECODE_HOLDS_PREFIX = (
+    "always", "prefill_pays", "prefill_holds_more", "short_prompt", "decode_holds_prefix"
 )  # fmt: skip
 
 
@@ -53,15 +55,17 @@ class Decision:
 
 
 def decide(
-    rule: str, min_prefill_tokens: int, decode_hit_fraction: float, prompt_tokens: int, decode_hit_tokens: int
-) -> Decision:
-    """P/D or decode alone for one request, given what decode already holds (see the module doc)."""
+    rule: str, min_prefill_tokens: int, decode_hit_fraction: float, prompt_tokens: int,
+    decode_hit_tokens: int, prefill_hit_tokens: int = 0,
+) -> Decision:  # fmt: skip
+    """P/D or decode alone for one request, given what decode and prefill already hold (module doc)."""
     if rule == "always":
         return Decision("pd", ALWAYS)
     lacking = max(0, prompt_tokens - decode_hit_tokens)
     held = decode_hit_tokens / prompt_tokens if prompt_tokens else 0.0
-    if decode_hit_tokens and (held >= decode_hit_fraction or lacking < min_prefill_tokens):
-        return Decision("decode_only", DECODE_HOLDS_PREFIX)
-    if lacking < min_prefill_tokens:
-        return Decision("decode_only", SHORT_PROMPT)
-    return Decision("pd", PREFILL_PAYS)
+    cheap = lacking < min_prefill_tokens or (decode_hit_tokens > 0 and held >= decode_hit_fraction)
+    if not cheap:
+        return Decision("pd", PREFILL_PAYS)
+    if prefill_hit_tokens > decode_hit_tokens:
+        return Decision("pd", PREFILL_HOLDS_MORE)
+    return Decision("decode_only", DECODE_HOLDS_PREFIX if decode_hit_tokens else SHORT_PROMPT)

@@ -20,7 +20,9 @@ class Disaggregation:
     rule: str = f(
         "always: every request goes through prefill and decode. selective: decode alone serves (and "
         "prefills locally) a request whose tokens decode lacks are fewer than minPrefillTokens, or whose "
-        "prompt decode already holds at least decodeHitPercent of; the rest go through prefill and decode.",
+        "prompt decode already holds at least decodeHitPercent of, when decode holds at least as much of it "
+        "as the chosen prefill (decode alone then computes no more than prefill would); the rest go through "
+        "prefill and decode.",
         "always",
         enum=list(RULES),
     )

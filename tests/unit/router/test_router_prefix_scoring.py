@@ -82,18 +82,34 @@ def test_a_hot_prefix_spreads_once_its_holder_is_busier_than_the_bound() -> None
 
 
 @pytest.mark.parametrize(
-    ("rule", "prompt", "hit", "path", "reason"),
+    ("rule", "prompt", "hit", "p_hit", "path", "reason"),
     [
-        ("always", 10, 0, "pd", "always"),
-        ("always", 5000, 5000, "pd", "always"),
-        ("selective", 100, 0, "decode_only", "short_prompt"),
-        ("selective", 1000, 0, "pd", "prefill_pays"),
-        ("selective", 1000, 850, "decode_only", "decode_holds_prefix"),  # holds >= 80 %
-        ("selective", 10000, 7900, "pd", "prefill_pays"),  # holds 79 %, lacks 2100 >= 256
-        ("selective", 1000, 760, "decode_only", "decode_holds_prefix"),  # lacks 240 < 256
-        ("selective", 0, 0, "decode_only", "short_prompt"),
+        ("always", 10, 0, 0, "pd", "always"),
+        ("always", 5000, 5000, 0, "pd", "always"),
+        ("selective", 100, 0, 0, "decode_only", "short_prompt"),
+        ("selective", 1000, 0, 0, "pd", "prefill_pays"),
+        ("selective", 1000, 850, 0, "decode_only", "decode_holds_prefix"),  # holds >= 80 %
+        ("selective", 10000, 7900, 0, "pd", "prefill_pays"),  # holds 79 %, lacks 2100 >= 256
+        ("selective", 1000, 760, 0, "decode_only", "decode_holds_prefix"),  # lacks 240 < 256
+        ("selective", 0, 0, 0, "decode_only", "short_prompt"),
+        ("selective", 1000, 850, 850, "decode_only", "decode_holds_prefix"),  # both hold as much
+        ("selective", 1000, 850, 900, "pd", "prefill_holds_more"),  # alone, D would compute more
+        ("selective", 100, 0, 64, "pd", "prefill_holds_more"),
+        ("selective", 1000, 0, 900, "pd", "prefill_pays"),
     ],
 )
-def test_disaggregation_decision(rule: str, prompt: int, hit: int, path: str, reason: str) -> None:
-    decision = decide(rule, 256, 0.8, prompt, hit)
+def test_disaggregation_decision(
+    rule: str, prompt: int, hit: int, p_hit: int, path: str, reason: str
+) -> None:
+    decision = decide(rule, 256, 0.8, prompt, hit, p_hit)
     assert (decision.path, decision.reason) == (path, reason)
+
+
+@settings(max_examples=300, derandomize=True)
+@given(st.integers(0, 4000), st.integers(0, 4000), st.integers(0, 4000), st.integers(0, 512))
+def test_decode_alone_never_computes_more_than_pd_would(prompt: int, d: int, p: int, least: int) -> None:
+    d, p = min(d, prompt), min(p, prompt)
+    decision = decide("selective", least, 0.8, prompt, d, p)
+    if decision.path == "decode_only":
+        assert prompt - d <= prompt - p  # decode's own compute vs prefill's in P/D
+        assert prompt - d < least or d >= 0.8 * prompt
