@@ -47,7 +47,9 @@ class KvferryConfig:
     deadline_s: Seconds = 30.0  # consumer: default wait for KV when a request does not say
     registration_ttl_s: Seconds = 60.0  # producer: a registration waits this long for its prefill
     # consumer: blocks of a receive past its deadline stay held this much longer for the producer's
-    # answer to the Cancel (covers a WRITE posted just before the deadline and clock skew between hosts)
+    # answer to the Cancel (covers a WRITE posted just before the deadline and clock skew between hosts);
+    # producer: a WRITE still running at the consumer's deadline + grace_s / 2 fences the rank
+    # (writes.py). Both roles read the same value (the operator renders one config).
     grace_s: Seconds = 2.0
     peer_idle_s: Seconds = 600.0  # a peer agent unused this long is unloaded (pods come and go)
     max_entries: AtLeastOne = 4096  # bound of every pending map

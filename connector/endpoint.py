@@ -42,7 +42,7 @@ from kvferry.connector.wire import (
     encode,
     layout_to_wire,
 )
-from kvferry.connector.writes import InFlight, Write
+from kvferry.connector.writes import InFlight, StuckWrite, Write
 from kvferry.contracts.metrics import LAYOUT_MISMATCH
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,8 @@ class Endpoint:
         self._startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"kvferry-{role}-{tp_rank}", daemon=True)
         self.peers = Peers(cfg, self.metrics, self._wake.set)
-        self.writes = InFlight(cfg.deadline_s)
+        self.writes = InFlight()
+        self._fenced = False  # a stuck WRITE: never drive this agent again (writes.py)
         self._last_pending: dict[str, int] = {}
         self.recent = self.writes.recent  # completed WRITEs (benchmark, debugging)
         # consumer: producer host, port; blocks, first token, end token
@@ -210,6 +211,11 @@ class Endpoint:
         interval = self.cfg.poll_min_s
         try:
             self._serve(interval)
+        except StuckWrite as exc:  # the engine must fail and restart: only that ends the WRITE
+            self._fenced = True
+            self.dead = f"StuckWrite: {exc}"
+            self.metrics.record("failures", 1, self.role, "write_stuck")
+            log.error("kvferry endpoint %s fenced: %s", self.agent_name, exc)
         except BaseException as exc:  # a bug: say so loudly; the vLLM glue turns it into an engine error
             self.dead = f"{type(exc).__name__}: {exc}"
             log.exception("kvferry endpoint %s stopped serving", self.agent_name)
@@ -249,7 +255,7 @@ class Endpoint:
     def _teardown(self) -> None:
         if self.side is not None:
             self.side.close()
-        if self.transport is not None:
+        if self.transport is not None and not self._fenced:
             self.writes.release_all(self.transport)
             self.transport.close()
 
@@ -258,6 +264,7 @@ class Endpoint:
 
     def _round(self) -> bool:
         now = time.monotonic()
+        self.writes.fence(now)  # first: everything below may drive NIXL's progress
         actions: list[P.Action] = []
         while True:
             try:
@@ -433,7 +440,8 @@ class Endpoint:
             return
         self.metrics.record("descriptors", plan.descriptors, plan.mode)
         self.metrics.record("prep_seconds", plan.prep_s, plan.mode)
-        self.writes.add(Write(key, reg.consumer_rank, agent, handle, now, plan))
+        must_end_by = action.deadline + self.cfg.grace_s / 2  # the consumer frees at deadline + grace_s
+        self.writes.add(Write(key, reg.consumer_rank, agent, handle, now, plan, must_end_by))
 
     def _refusal(self, agent: str, *, consumer_side: bool, registered: str | None = None) -> str:
         """Why KV cannot move between this rank and `agent` ("" when it can; layout.refusal), logged

@@ -1,7 +1,17 @@
-"""Writes step: the WRITEs a producer rank has posted, until NIXL says they are done (endpoint thread).
+"""Writes step: the WRITEs a producer rank has posted, until NIXL says they ended (endpoint thread).
 
-A posted WRITE cannot be cancelled: NIXL refuses to release a live transfer, so its source blocks stay
-held (and its peer agent loaded) until it completes, fails or outlives `timeout_s` and NIXL lets go.
+A posted WRITE cannot be stopped from either side. Measured with NIXL's UCX backend over TCP
+(docs/verification.md, "A WRITE cannot be called back"): releasing a live transfer handle succeeds and
+the data still lands, all of it, as the worker progresses; so does removing the peer agent, on either
+side. A WRITE is therefore over only when NIXL reports DONE or ERR, never on a timer, and its
+registration is answered (Done or Failure) only then.
+
+The consumer frees its blocks at its deadline + `grace_s`, whatever it heard. A WRITE still running at
+the consumer's deadline + grace_s / 2 (this rank's clock) could land after that, into blocks that hold
+another request: the rank then fences itself. `fence` raises `StuckWrite` before anything in a round
+drives progress, and the endpoint stops without touching NIXL again (no release, no disconnect: both
+would progress the worker and push more of the WRITE), so the engine fails loudly and its restart ends
+the connection.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ class Write:
     handle: Any
     started: float
     plan: WritePlan
+    must_end_by: float  # the consumer's deadline + grace_s / 2, this rank's clock
 
 
 @dataclass(frozen=True)
@@ -43,12 +54,15 @@ class WriteRecord:
 class Outcome:
     write: Write
     ok: bool
-    reason: str  # "" when ok: write_failed (NIXL error) or write_timeout
+    reason: str  # "" when ok, else write_failed (NIXL reported an error)
+
+
+class StuckWrite(RuntimeError):
+    """A WRITE still running when its consumer may already have freed the blocks it writes into."""
 
 
 class InFlight:
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self) -> None:
         self.writes: list[Write] = []
         self.recent: deque[WriteRecord] = deque(maxlen=256)  # appended by the thread; read after the fact
 
@@ -61,12 +75,25 @@ class InFlight:
     def add(self, write: Write) -> None:
         self.writes.append(write)
 
+    def fence(self, now: float) -> None:
+        """Raise StuckWrite when a WRITE outlived its bound. Call before anything that drives the
+        agent's progress (reading notifications does too): one more progress round pushes more of it."""
+        stuck = [w for w in self.writes if now > w.must_end_by]
+        if stuck:
+            w = stuck[0]
+            raise StuckWrite(
+                f"WRITE of {w.key} to consumer rank {w.rank} ({w.plan.nbytes} bytes) still running "
+                f"{now - w.started:.1f}s after it was posted, past the consumer's deadline + grace/2: "
+                "it could land in blocks the consumer has freed; stopping this rank's transfers"
+            )
+
     def check(self, transport: NixlTransport, now: float) -> list[Outcome]:
         """Poll every WRITE (this also drives UCX progress); return those that ended and were released."""
+        self.fence(now)
         out: list[Outcome] = []
         for w in list(self.writes):
             state = transport.state(w.handle)
-            if state == "PROC" and now - w.started <= self.timeout_s:
+            if state == "PROC":
                 continue
             try:
                 transport.release(w.handle)
@@ -78,8 +105,7 @@ class InFlight:
             if state == "DONE":
                 p = w.plan
                 self.recent.append(WriteRecord(p.mode, p.descriptors, p.nbytes, p.prep_s, now - w.started))
-            reason = "" if state == "DONE" else "write_failed" if state == "ERR" else "write_timeout"
-            out.append(Outcome(w, state == "DONE", reason))
+            out.append(Outcome(w, state == "DONE", "" if state == "DONE" else "write_failed"))
         return out
 
     def release_all(self, transport: NixlTransport) -> None:

@@ -144,6 +144,10 @@ class HostKV:
     def fill(self, blocks: list[int], num_tokens: int) -> None:
         self.words[self._word_index(blocks, num_tokens)] = self.expected(num_tokens)
 
+    def clear(self, blocks: list[int], num_tokens: int) -> None:
+        """Zero the blocks: what a consumer's reused blocks look like before anything writes them."""
+        self.words[self._word_index(blocks, num_tokens)] = 0
+
     def gather(self, blocks: list[int], num_tokens: int) -> np.ndarray:
         return self.words[self._word_index(blocks, num_tokens)]
 

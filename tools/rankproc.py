@@ -161,6 +161,12 @@ def _handle(ep: Any, kv: Any, op: str, args: tuple) -> Any:
     if op == "mismatches":
         blocks, num_tokens = args
         return kv.mismatches(blocks, num_tokens)
+    if op == "clear":
+        blocks, num_tokens = args
+        kv.clear(blocks, num_tokens)
+        return None
+    if op == "dead":  # why the endpoint thread stopped ("" while it serves)
+        return ep.dead
     if op == "writes":  # completed WRITEs since the last call (benchmark)
         records = [dataclasses.asdict(r) for r in list(ep.recent)]
         ep.recent.clear()

@@ -5,6 +5,11 @@
 - A producer frozen (SIGSTOP) past the consumer's deadline: the consumer keeps its blocks quarantined
   for `grace_s`, then fails the receive; when the producer resumes it never writes after the deadline
   the registration carried, so the consumer's (possibly reused) blocks stay untouched.
+- A producer frozen in the middle of a WRITE (UCX over TCP, so the WRITE needs the producer's progress)
+  past the consumer's deadline + grace: the consumer frees and reuses its blocks; when the producer
+  resumes it fences itself (its engine fails) before driving NIXL again, so nothing more lands. NIXL
+  cannot stop a posted WRITE (releasing its handle or removing the peer does not): without the fence
+  the rest of the WRITE lands in the reused blocks.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from kvferry.router.promtext import metric_sum, parse_metrics
 from kvferry.tools.hostkv import CacheShape
 
 from tests.nixl.helpers import expect_args, free_port_pair, parked_on
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.nixl
 SHAPE = CacheShape(block_size=16)
@@ -70,3 +76,33 @@ def test_a_frozen_producer_never_writes_after_the_consumers_deadline(procs):
     assert released and released[0][0] == ("r", 0), released
     assert metric_sum(parse_metrics(prod.call("metrics")), "kvferry_transfers_total") == 1  # warm only
     assert cons.call("mismatches", blocks, 40) > 0  # nothing landed in D's released blocks
+
+
+BIG = CacheShape(layers=8, heads=16, head_dim=128, num_blocks=72, block_size=16)  # 2 MiB a block
+
+
+def test_a_write_stuck_past_the_consumers_deadline_fences_the_producer_and_never_lands_late(
+    procs, monkeypatch
+):
+    monkeypatch.setenv("UCX_TLS", "tcp")  # a WRITE the producer's progress drives: it can stall
+    (prod,) = procs.start("producer", "prefill-0", BIG, grace_s=1.0)
+    (cons,) = procs.start("consumer", "decode-0", BIG, grace_s=1.0)
+    transfer(prod, cons, "warm", blocks=(0,), tokens=16)  # both agents loaded: no handshake below
+    blocks, tokens = list(range(8, 72)), 1024  # 128 MiB: a second or more through loopback TCP
+    prod.call("finish", "r", 0, blocks, tokens, "decode-0")  # filling 128 MiB takes a while: first
+    cons.call("expect", "r", 0, expect_args(prod, blocks, tokens, deadline_s=1.5))
+    wait_until(
+        lambda: metric_sum(parse_metrics(prod.call("metrics")), "kvferry_pending", kind="inflight"),
+        "the WRITE to be posted", timeout_s=10, interval_s=0.005,
+    )  # fmt: skip
+    os.kill(prod.pid, signal.SIGSTOP)
+    try:
+        assert cons.call("results", 10.0, 1)["failed"] == [(("r", 0), "deadline")]
+        cons.call("clear", blocks, tokens)  # released: another request's KV would be here now
+    finally:
+        os.kill(prod.pid, signal.SIGCONT)
+    why = wait_until(lambda: prod.call("dead"), "the producer to fence itself", timeout_s=10, interval_s=0.05)
+    assert why.startswith("StuckWrite:") and "('r', 0)" in why, why
+    total = cons.call("mismatches", blocks, tokens)
+    time.sleep(1.0)  # the unfenced producer pushed the rest of its WRITE within this second
+    assert cons.call("mismatches", blocks, tokens) == total == len(blocks) * 16 * 8 * 2 * 16 * 128
