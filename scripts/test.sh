@@ -16,4 +16,5 @@ kvferry generate --check
 lint-imports --no-logo
 # Types: mypy, strict except the not-yet-typed modules pyproject [tool.mypy] lists.
 python scripts/typecheck.py
-exec python -m pytest "$@"
+# The slowest tests, printed at the end: where to trim when the run grows.
+exec python -m pytest --durations=25 "$@"
