@@ -192,7 +192,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     def owned(body: kopf.Body, **_: Any) -> dict:
         key = owner_key(body)
         role = body["metadata"].get("labels", {}).get(names.LABEL_ROLE)
-        return {(*key, role): _plain(body)} if key else {}
+        return {(*key, role): (_plain(body) if legacy else _stripped(body))} if key else {}
 
     if not legacy:
         for group, version, plural in ALL_RENDERED:
