@@ -46,6 +46,13 @@ RULES: list[tuple[list[str], list[str], list[str], str]] = [
         "watch to correct drift at once. No delete: owner references let the GC clean up",
     ),
     (
+        ["leaderworkerset.x-k8s.io"],
+        ["leaderworkersets"],
+        ["get", "create", "patch"],
+        "server-side apply of a role wider than one node as a LeaderWorkerSet (only rendered when a role "
+        "spans nodes; the LWS controller makes its pods)",
+    ),
+    (
         ["apps"],
         ["statefulsets/scale"],
         ["get", "patch"],

@@ -93,6 +93,12 @@ def apply_all(
     return applied, errors, conflicts
 
 
+def _workload(applied: dict[tuple[str, str], dict[str, Any]], name: str) -> dict[str, Any] | None:
+    """A role's workload as applied: its StatefulSet, or its LeaderWorkerSet when it spans nodes (whose
+    status counts groups in the same replicas/readyReplicas/updatedReplicas fields)."""
+    return applied.get(("StatefulSet", name)) or applied.get(("LeaderWorkerSet", name))
+
+
 def flip_events(previous: dict[str, Any], new: dict[str, Any]) -> list[Event]:
     events: list[Event] = []
     old_ready, new_ready = (
@@ -186,7 +192,7 @@ def reconcile(
         Reason.SECRET_MISSING: secret_error,
     }
     observed = Observed(
-        statefulsets={r: applied.get(("StatefulSet", names.role_name(name, r))) for r in names.ROLES},
+        statefulsets={r: _workload(applied, names.role_name(name, r)) for r in names.ROLES},
         router=applied.get(("Deployment", names.router_name(name))),
         faults={reason: message for reason, message in faults.items() if message},
     )

@@ -15,7 +15,7 @@ import jinja2
 import yaml
 from kvferry.contracts import pods, versions
 from kvferry.operator import names
-from kvferry.operator.render import images, injection, placement, presets, security
+from kvferry.operator.render import groups, images, injection, placement, presets, security
 from kvferry.operator.render.presets import PodPlan, merge
 from kvferry.operator.render.routing import routing_config
 from kvferry.operator.spec import GROUP, KIND, VERSION, Role, Spec, parse_spec
@@ -141,7 +141,11 @@ def role_context(
     spec: Spec, cr_name: str, role: str, plan: PodPlan, revision: str, replicas: int | None
 ) -> dict[str, Any]:
     rspec = getattr(spec, role)
-    kv_json = json.dumps(kv_transfer_config(spec, role, plan, revision), separators=(",", ":"))
+    kv_config = kv_transfer_config(spec, role, plan, revision)
+    nodes = groups.nodes_per_replica(spec, role)
+    if nodes > 1:  # one engine across the group: every pod names it after the leader
+        kv_config["engine_id"] = groups.engine_id(names.role_name(cr_name, role))
+    kv_json = json.dumps(kv_config, separators=(",", ":"))
     default_drain = spec.kv_transfer.lease_seconds + 30 if role == "prefill" else 60
     shutdown = rspec.shutdown_timeout_seconds if rspec.shutdown_timeout_seconds is not None else default_drain
     identity = [
@@ -158,6 +162,12 @@ def role_context(
         "name": names.role_name(cr_name, role),
         "labels": {**labels, names.LABEL_REVISION: revision},
         "selector": names.selector_labels(cr_name, role),
+        "nodes": nodes,  # > 1: a LeaderWorkerSet group per replica (groups.py)
+        # The role's Service (router discovery) lists only pods that serve HTTP: a group's leader.
+        "service_selector": {
+            **names.selector_labels(cr_name, role),
+            **({groups.LABEL_WORKER_INDEX: "0"} if nodes > 1 else {}),
+        },
         "pod_labels": {**labels, names.LABEL_REVISION: revision},
         "replicas": replicas,
         "image": plan.image,
@@ -233,6 +243,13 @@ def router_context(spec: Spec, cr_name: str, namespace: str, router_image: str) 
     }
 
 
+def leader_worker_set(statefulset: dict[str, Any], nodes: int) -> dict[str, Any]:
+    """A role wider than one node: its StatefulSet becomes a LeaderWorkerSet of `nodes` pods per replica."""
+    text = _env.get_template("leaderworkerset.yaml.j2").render(lws=groups.context(statefulset, nodes))
+    lws: dict[str, Any] = yaml.safe_load(text)
+    return lws
+
+
 def owner_reference(cr: dict[str, Any]) -> dict[str, Any]:
     meta = cr["metadata"]
     return {
@@ -294,7 +311,10 @@ def render(
     for template in TEMPLATES:
         for role_ctx in roles if template in ROLE_TEMPLATES else [None]:
             text = _env.get_template(template).render(context, r=role_ctx)
-            objects += [doc for doc in yaml.safe_load_all(text) if doc]
+            docs = [doc for doc in yaml.safe_load_all(text) if doc]
+            if role_ctx and role_ctx["nodes"] > 1 and template == "statefulset.yaml.j2":
+                docs = [leader_worker_set(sts, role_ctx["nodes"]) for sts in docs]
+            objects += docs
     if meta.get("uid"):
         for obj in objects:
             obj["metadata"]["ownerReferences"] = [owner_reference(cr)]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kvferry.operator.render import images
+from kvferry.operator.render import groups, images
 from kvferry.operator.spec import Role, Spec
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -96,7 +96,8 @@ def merge(spec: Spec, role_name: str, registry: str = images.DEFAULT_REGISTRY) -
     preset = load(spec.accelerator)
     role: Role = getattr(spec, role_name)
     accel: dict[str, Any] = preset.get("accelerator") or {}  # cpu and none have no devices
-    devices = math.ceil(role.tensor_parallel_size / accel["tpPerDevice"]) if accel else 0
+    # Per pod: a role wider than one node has one pod per node (groups.py), each with its share of TP.
+    devices = math.ceil(groups.tp_per_pod(spec, role_name) / accel["tpPerDevice"]) if accel else 0
     efa = role.efa
     if efa is None:
         efa = max(1, devices * preset["efa"]["perNode"] // accel["perNode"]) if "efa" in preset else 0

@@ -11,6 +11,10 @@ ACCELERATORS = ("p5en", "p5", "trn2", "trn1", "cpu", "none")
 EFA_ACCELERATORS = ("p5en", "p5", "trn2", "trn1")
 # Largest tensor-parallel group one pod can hold (one node): GPUs, or NeuronCores at the default LNC.
 MAX_TP = {"p5en": 8, "p5": 8, "trn2": 64, "trn1": 32, "cpu": 64, "none": 64}
+# Presets whose roles may span nodes: one pod per node, leader + workers per replica (LeaderWorkerSet),
+# tensorParallelSize a whole multiple of MAX_TP, at most MAX_GROUP_NODES nodes per replica.
+MULTI_NODE_ACCELERATORS = ("p5en", "p5", "trn2")
+MAX_GROUP_NODES = 8
 MODES = ("push", "pull")
 CONNECTORS = ("kvferry", "vllm")
 BACKENDS = ("LIBFABRIC", "UCX")

@@ -7,7 +7,13 @@ from dataclasses import dataclass
 
 from kvferry.operator.flags import OWNED_FLAGS, SHORT_ALIASES, cel_no_owned_flags, owned_flags_in
 from kvferry.operator.spec.autoscaling import Autoscaling
-from kvferry.operator.spec.constants import EFA_ACCELERATORS, MAX_NAME_LEN, MAX_TP
+from kvferry.operator.spec.constants import (
+    EFA_ACCELERATORS,
+    MAX_GROUP_NODES,
+    MAX_NAME_LEN,
+    MAX_TP,
+    MULTI_NODE_ACCELERATORS,
+)
 from kvferry.operator.spec.types import Spec
 
 
@@ -27,6 +33,15 @@ _OWNED_MESSAGE = (
 
 _EFA_LIST = "[" + ", ".join(f"'{a}'" for a in EFA_ACCELERATORS) + "]"
 _MAX_TP_MAP = "{" + ", ".join(f"'{k}': {v}" for k, v in MAX_TP.items()) + "}"
+_MULTI_NODE_LIST = "[" + ", ".join(f"'{a}'" for a in MULTI_NODE_ACCELERATORS) + "]"
+
+
+def _whole_nodes(s: Spec) -> bool:
+    """Decode spans whole nodes of a preset that may span nodes, and not too many of them."""
+    per_node, tp = MAX_TP[s.accelerator], s.decode.tensor_parallel_size
+    multi = s.accelerator in MULTI_NODE_ACCELERATORS
+    return multi and tp % per_node == 0 and tp <= per_node * MAX_GROUP_NODES
+
 
 RULES: list[Rule] = [
     Rule(
@@ -100,15 +115,30 @@ RULES: list[Rule] = [
         ".prefill.tensorParallelSize",
         f"self.prefill.tensorParallelSize <= {_MAX_TP_MAP}[self.accelerator]",
         "prefill.tensorParallelSize exceeds what one node of this accelerator preset holds "
-        f"(max per preset: {MAX_TP})",
+        f"(max per preset: {MAX_TP}); prefill cannot span nodes: decode reaches every prefill "
+        "rank through the one address the router passes (the serving pod's), not ranks on other pods",
         lambda s: s.prefill.tensor_parallel_size <= MAX_TP[s.accelerator],
     ),
     Rule(
         ".decode.tensorParallelSize",
-        f"self.decode.tensorParallelSize <= {_MAX_TP_MAP}[self.accelerator]",
-        "decode.tensorParallelSize exceeds what one node of this accelerator preset holds "
-        f"(max per preset: {MAX_TP})",
-        lambda s: s.decode.tensor_parallel_size <= MAX_TP[s.accelerator],
+        f"self.decode.tensorParallelSize <= {_MAX_TP_MAP}[self.accelerator] || "
+        f"(self.accelerator in {_MULTI_NODE_LIST} && "
+        f"self.decode.tensorParallelSize % {_MAX_TP_MAP}[self.accelerator] == 0 && "
+        f"self.decode.tensorParallelSize <= {_MAX_TP_MAP}[self.accelerator] * {MAX_GROUP_NODES})",
+        "decode.tensorParallelSize beyond one node must fill whole nodes: a multiple of the per-node "
+        f"maximum, at most {MAX_GROUP_NODES} nodes per replica, on {', '.join(MULTI_NODE_ACCELERATORS)} "
+        f"(a leader + workers group per replica, one pod per node; max per node: {MAX_TP})",
+        lambda s: s.decode.tensor_parallel_size <= MAX_TP[s.accelerator] or _whole_nodes(s),
+    ),
+    Rule(
+        ".decode.tensorParallelSize",
+        f"self.decode.tensorParallelSize <= {_MAX_TP_MAP}[self.accelerator] || "
+        "self.kvTransfer.connector == 'kvferry'",
+        "decode.tensorParallelSize beyond one node needs kvTransfer.connector kvferry (its decode ranks "
+        "each register with prefill from their own pod; the upstream connectors are not known to)",
+        lambda s: (
+            s.decode.tensor_parallel_size <= MAX_TP[s.accelerator] or s.kv_transfer.connector == "kvferry"
+        ),
     ),
     Rule(
         ".router.apiKeySecret",

@@ -94,7 +94,11 @@ class Role:
         enum=["spec", "autoscaler"],
     )
     tensor_parallel_size: int = f(
-        "Tensor-parallel size per pod (accelerators, or NeuronCores on Trainium).", 1, minimum=1, maximum=64
+        "Tensor-parallel size per engine (accelerators, or NeuronCores on Trainium). Beyond one node "
+        "(decode only, p5en/p5/trn2): whole nodes, one pod each, as a LeaderWorkerSet group per replica.",
+        1,
+        minimum=1,
+        maximum=512,
     )
     extra_args: list[str] = f(
         "Extra vLLM args for this role only.", [], maxItems=64, items={"maxLength": 4096}

@@ -33,6 +33,11 @@
 - apiGroups: [apps]
   resources: [statefulsets, deployments]
   verbs: [get, list, watch, create, patch]
+# server-side apply of a role wider than one node as a LeaderWorkerSet (only rendered when a role
+# spans nodes; the LWS controller makes its pods)
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [get, create, patch]
 # spec.autoscaling: the planner writes each role's replicas through its StatefulSet's scale
 # subresource, and nothing else of the object
 - apiGroups: [apps]

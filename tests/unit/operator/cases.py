@@ -125,6 +125,32 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         make_inference("bad16").kv(connector="vllm", connectorSource="inject").obj(),
         "spec.kvTransfer.connectorSource",
     ),
+    # Roles wider than one node (#20): decode only, whole nodes, at most 8, kvferry connector.
+    (
+        "decode-tp-part-of-a-node",
+        make_inference("bad20", accelerator="p5en").decode(tensorParallelSize=12).obj(),
+        "spec.decode.tensorParallelSize",
+    ),
+    (
+        "decode-tp-over-eight-nodes",
+        make_inference("bad21", accelerator="p5en").decode(tensorParallelSize=72).obj(),
+        "spec.decode.tensorParallelSize",
+    ),
+    (
+        "decode-multi-node-upstream-connector",
+        make_inference("bad22", accelerator="p5en").kv(connector="vllm").decode(tensorParallelSize=16).obj(),
+        "spec.decode.tensorParallelSize",
+    ),
+    (
+        "decode-multi-node-cpu",
+        make_inference("bad23").decode(tensorParallelSize=128).obj(),
+        "spec.decode.tensorParallelSize",
+    ),
+    (
+        "placement-unknown",
+        make_inference("bad24", placement={"sameZone": "always"}).obj(),
+        "spec.placement.sameZone",
+    ),
 ]
 
 VALID = {
@@ -139,6 +165,11 @@ VALID = {
     "loadbalancer-with-api-key": make_inference("ok5")
     .router(serviceType="LoadBalancer", apiKeySecret={"name": "router-key", "key": "api-key"})
     .obj(),
+    "decode-spans-two-p5en": make_inference("ok6", accelerator="p5en").decode(tensorParallelSize=16).obj(),
+    "decode-spans-two-trn2": make_inference("ok7", accelerator="trn2").decode(tensorParallelSize=128).obj(),
+    "placement-required": make_inference(
+        "ok8", placement={"sameZone": "required", "networkTopology": "none"}
+    ).obj(),
     # Flags near owned ones but not theirs: a prefix rule must not catch them.
     "unowned-extra-args": make_inference("ok4")
     .vllm(extraArgs=["--config-format=hf", "-O3", "--max-num-seqs=64", "--enforce-eager"])
