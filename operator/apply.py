@@ -98,10 +98,10 @@ class NotControlled(KubeError):
         return self.message
 
 
-APPLY_ATTEMPTS = 4
+APPLY_ATTEMPTS = 4  # reads + conditional applies of one object before giving up (it keeps changing)
 # A resourceVersion no stored object has: an etcd store starts at revision 1 and every write moves it on,
 # so objects carry 2 and up. An apply carrying it can only create.
-NEVER_STORED = "1"  # reads + conditional applies of one object before giving up (it keeps changing)
+NEVER_STORED = "1"
 
 
 def controller(obj: dict[str, Any]) -> dict[str, Any] | None:

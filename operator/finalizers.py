@@ -18,6 +18,13 @@ from kvferry.operator import names
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 
 FINALIZERS = (f"{names.GROUP}/finalizer", "kopf.zalando.org/KopfFinalizerMarker")
+SHARD_FINALIZER_PREFIX = f"{names.GROUP}/finalizer-shard-"  # sharded replicas' (handlers.shard_finalizer)
+
+
+def ours(finalizer: str) -> bool:
+    return finalizer in FINALIZERS or finalizer.startswith(SHARD_FINALIZER_PREFIX)
+
+
 # The chart's and manifests/install.yaml's operator Deployment carries both labels.
 OPERATOR_SELECTOR = f"{names.LABEL_COMPONENT}=operator,app.kubernetes.io/part-of=kvferry"
 REQUEST_TIMEOUT_S = 30.0
@@ -86,9 +93,9 @@ def _release_one(custom: Any, item: dict[str, Any], attempts: int = 5) -> bool:
     ns, name = meta["namespace"], meta["name"]
     for _ in range(attempts):
         present = meta.get("finalizers") or []
-        if not any(f in FINALIZERS for f in present):
+        if not any(ours(f) for f in present):
             return False
-        keep = [f for f in present if f not in FINALIZERS]
+        keep = [f for f in present if not ours(f)]
         # resourceVersion makes the merge patch conditional: a concurrent change fails with 409.
         patch = {"metadata": {"finalizers": keep or None, "resourceVersion": meta["resourceVersion"]}}
         try:

@@ -106,6 +106,30 @@ def stored_by(copies: Any, cr: Any) -> reconcile.Stored:
     return lambda kind, obj_name: _first(copies, (ns, name, kind, obj_name))
 
 
+def shard_finalizer(index: int, count: int) -> str:
+    """kopf's finalizer on this replica's CRs. kopf removes its finalizer from every object for which no
+    handler needs it, so replicas of different shards must not share one name (finalizers.py knows both)."""
+    base = f"{names.GROUP}/finalizer"
+    return base if count == 1 else f"{base}-shard-{index}-of-{count}"
+
+
+class ShardDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """kopf's last-handled configuration, written only on this replica's CRs.
+
+    kopf stores it on every object it sees once no handler is left to run, matching or not: a replica of
+    another shard would mark a CR as created before its owner saw it, and its create handler never ran.
+    """
+
+    def __init__(self, index: int, count: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._index, self._count = index, count
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: Any) -> None:
+        meta = body.get("metadata") or {}
+        if shard.owns(meta.get("namespace", ""), meta.get("name", ""), self._index, self._count):
+            super().store(body=body, patch=patch, essence=essence)
+
+
 def _stripped(body: Any) -> dict[str, Any]:
     """A watched object without what a reconcile never reads (managedFields are most of its size)."""
     workload = body.get("kind") in ("StatefulSet", "Deployment")
@@ -129,8 +153,8 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.KOPF_PREFIX)
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=names.KOPF_PREFIX)
-        settings.persistence.finalizer = f"{names.GROUP}/finalizer"  # kopf's, while timers run
+        settings.persistence.diffbase_storage = ShardDiffBaseStorage(index, count, prefix=names.KOPF_PREFIX)
+        settings.persistence.finalizer = shard_finalizer(index, count)  # kopf's, while timers run
         # Stop a deleted CR's timers promptly (kopf re-checks every 60 s by default).
         settings.background.cancellation_polling = 2
         settings.posting.level = 20  # INFO and up become Kubernetes events

@@ -54,6 +54,9 @@ class CountingKube:
     def exists(self, kind: str, namespace: str, name: str) -> bool:
         return True
 
+    def serves(self, group: str) -> bool:
+        return False  # no optional API groups installed
+
     def patch_status(self, namespace: str, name: str, patch: dict, resource_version: str | None) -> dict:
         self.rv += 1
         self.cr["status"] = {**(self.cr.get("status") or {}), **copy.deepcopy(patch)}
@@ -165,3 +168,20 @@ def test_a_bad_shard_is_refused_naming_the_setting(bad: str) -> None:
 def test_sharded_replicas_elect_leaders_in_separate_peerings() -> None:
     names_ = {OperatorConfig(shard=f"{i}/2").peering_name for i in range(2)}
     assert len(names_) == 2 and OperatorConfig().peering_name == "kvferry"
+
+
+def test_a_replica_marks_only_its_own_shards_crs_as_handled_and_keeps_its_own_finalizer() -> None:
+    import kopf
+    from kvferry.operator.handlers import ShardDiffBaseStorage, shard_finalizer
+
+    crs = [("ns", f"cr-{i}") for i in range(20)]
+    for index in (0, 1):
+        storage = ShardDiffBaseStorage(index, 2, prefix="kvferry.io")
+        for ns, name in crs:
+            patch = kopf.Patch()
+            body = kopf.Body({"metadata": {"namespace": ns, "name": name, "annotations": {}}})
+            storage.store(body=body, patch=patch, essence={"spec": {}})
+            # another shard's CR stays unmarked, so its owner still sees it as new and creates it
+            assert bool((patch.get("metadata") or {}).get("annotations")) == owns(ns, name, index, 2)
+    assert shard_finalizer(0, 1) == "kvferry.io/finalizer"
+    assert len({shard_finalizer(i, 2) for i in range(2)}) == 2
