@@ -99,6 +99,7 @@ class NotControlled(KubeError):
 
 
 APPLY_ATTEMPTS = 4  # reads + conditional applies of one object before giving up (it keeps changing)
+DISCOVERY_TTL_S = 60.0  # how long Kube.serves() trusts an answer: installing Kueue shows within a minute
 # A resourceVersion no stored object has: an etcd store starts at revision 1 and every write moves it on,
 # so objects carry 2 and up. An apply carrying it can only create.
 NEVER_STORED = "1"
@@ -131,6 +132,8 @@ class Kube:
     on_request: Callable[[str, str, int], None] | None = None  # (verb, kind, HTTP status) hook for metrics
     # (namespace, name) -> the CR as the operator's last status write stored it (status/publish.py)
     written: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    # API group -> (monotonic time read, served): discovery answers, kept DISCOVERY_TTL_S (serves()).
+    discovered: dict[str, tuple[float, bool]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -256,6 +259,20 @@ class Kube:
             return False
         self._ok(status, data, f"create {obj['kind']} {meta.get('namespace') or ''}/{meta['name']}")
         return True
+
+    def serves(self, group: str) -> bool:
+        """Whether the API server serves API group `group` (e.g. Kueue is installed). One discovery
+        read per group per DISCOVERY_TTL_S, so reconciles add no requests for it most of the time."""
+        now = time.monotonic()
+        cached = self.discovered.get(group)
+        if cached is not None and now - cached[0] < DISCOVERY_TTL_S:
+            return cached[1]
+        status, data = self._call("GET", "APIGroup", f"/apis/{quote(group)}")
+        served = status != 404
+        if served:
+            self._ok(status, data, f"discover API group {group}")
+        self.discovered[group] = (now, served)
+        return served
 
     def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         status, data = self._call("GET", kind, self.path(kind, namespace, name))

@@ -19,6 +19,7 @@ from kvferry.operator.config import OperatorConfig
 from kvferry.operator.drift import drifted, up_to_date
 from kvferry.operator.render.objects import render
 from kvferry.operator.spec import SpecError
+from kvferry.operator.status import admission
 from kvferry.operator.status import conditions as status
 from kvferry.operator.status.conditions import ConditionType, EventReason, Observed, Reason
 from kvferry.operator.status.publish import Watched, no_watch, publish
@@ -185,6 +186,13 @@ def reconcile(
             ("Normal", EventReason.APPLIED, f"applied {len(applied)} objects, revision {rendered.revision}")
         )
 
+    # Step 2b: are P and D admitted together? (GangAdmitted; discovery answers are cached by Kube.)
+    try:
+        served = {group for group in admission.GANG_GROUPS if kube.serves(group)}
+        gang = admission.verdict(rendered.spec, name, served)
+    except KubeError as exc:
+        gang = ("Unknown", Reason.NO_GANG_SCHEDULER, f"cannot discover gang admission APIs: {exc}")
+
     # Step 3: summarize from the objects the apply returned (they carry current status: no extra reads).
     faults = {
         Reason.APPLY_FAILED: out.failed,
@@ -195,6 +203,7 @@ def reconcile(
         statefulsets={r: _workload(applied, names.role_name(name, r)) for r in names.ROLES},
         router=applied.get(("Deployment", names.router_name(name))),
         faults={reason: message for reason, message in faults.items() if message},
+        gang=gang,
     )
 
     # Step 4: one status patch, written even when the apply failed; a newer watched copy wins.

@@ -169,6 +169,7 @@ def role_context(
             **({groups.LABEL_WORKER_INDEX: "0"} if nodes > 1 else {}),
         },
         "pod_labels": {**labels, names.LABEL_REVISION: revision},
+        "pod_annotations": {},  # set by render() for spec.placement.gang
         "replicas": replicas,
         "image": plan.image,
         "args": vllm_args(spec, role, kv_json, shutdown),
@@ -295,6 +296,11 @@ def render(
         ctx = role_context(spec, cr_name, role, plans[role], revision, replicas)
         ctx["inject"] = injection.context(spec, plans[role], injector_image)
         roles.append(ctx)
+    pods = sum((r["replicas"] or 0) * r["nodes"] for r in roles)  # spec.placement.gang: one group
+    gang_labels, gang_annotations = placement.gang_metadata(spec, cr_name, pods)
+    for ctx in roles:
+        ctx["pod_labels"] = {**ctx["pod_labels"], **gang_labels}
+        ctx["pod_annotations"] = gang_annotations
     context = {
         "namespace": namespace,
         "http_port": names.HTTP_PORT,

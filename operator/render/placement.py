@@ -85,3 +85,24 @@ def affinity(spec: Spec, cr_name: str, role: str) -> dict[str, Any]:
     if preferred:
         pod[PREFERRED] = [*(pod.get(PREFERRED) or []), *preferred]
     return merged
+
+
+# Kueue's plain-pod group keys (sigs.k8s.io/kueue pkg/controller/constants and jobs/pod/constants): pods
+# sharing a group name in one namespace are one Workload, admitted when all `total-count` pods fit.
+KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
+KUEUE_GROUP = "kueue.x-k8s.io/pod-group-name"
+KUEUE_TOTAL = "kueue.x-k8s.io/pod-group-total-count"
+KUEUE_SERVING = "kueue.x-k8s.io/pod-group-serving"  # long-running: a replaced pod rejoins the group
+
+
+def gang_group(cr_name: str) -> str:
+    return names.fit(f"{cr_name}-engines")
+
+
+def gang_metadata(spec: Spec, cr_name: str, pods: int) -> tuple[dict[str, str], dict[str, str]]:
+    """(labels, annotations) of every engine pod for spec.placement.gang; `pods`: the group's size
+    (both roles, every pod of every multi-node group). Empty for gang none."""
+    if spec.placement.gang != "kueue":
+        return {}, {}
+    labels = {KUEUE_QUEUE: spec.placement.queue_name or "", KUEUE_GROUP: gang_group(cr_name)}
+    return labels, {KUEUE_TOTAL: str(pods), KUEUE_SERVING: "true"}

@@ -12,6 +12,7 @@ from kvferry.operator.spec.fields import f
 
 SAME_ZONE = ("required", "preferred", "none")
 NETWORK_TOPOLOGY = ("preferred", "none")
+GANG = ("kueue", "none")
 
 
 @dataclass
@@ -32,4 +33,18 @@ class Placement:
         "none. Unset: preferred on EFA presets, none otherwise.",
         None,
         enum=list(NETWORK_TOPOLOGY),
+    )
+    gang: str = f(
+        "How the engine pods are admitted. kueue: every prefill and decode pod of this service is one "
+        "Kueue pod group in the LocalQueue `queueName`, admitted all or nothing (needs Kueue with its pod "
+        "integration). none: the scheduler places pods one by one, so one role may run without the other; "
+        "the GangAdmitted condition says which gang admission APIs the cluster serves.",
+        "none",
+        enum=list(GANG),
+    )
+    queue_name: str | None = f(
+        "Kueue LocalQueue (in the CR's namespace) that admits the pod group; required with gang kueue.",
+        None,
+        minLength=1,
+        maxLength=63,
     )

@@ -241,6 +241,16 @@ RULES += [
     ),
 ]
 
+RULES.append(
+    Rule(
+        ".placement.queueName",
+        "self.placement.gang != 'kueue' || has(self.placement.queueName)",
+        "placement.queueName is required when placement.gang is kueue: Kueue admits a pod group through "
+        "a LocalQueue of the CR's namespace",
+        lambda s: s.placement.gang != "kueue" or bool(s.placement.queue_name),
+    )
+)
+
 # Root-level rule (self = the whole object): names of children must fit Kubernetes' limits.
 NAME_RULE = (
     f"size(self.metadata.name) <= {MAX_NAME_LEN}",

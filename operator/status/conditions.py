@@ -20,6 +20,7 @@ class ConditionType(str, Enum):
     PROGRESSING = "Progressing"
     TRANSFER_HEALTHY = "TransferHealthy"
     DEGRADED = "Degraded"
+    GANG_ADMITTED = "GangAdmitted"  # whether P and D are admitted together (admission.py)
 
 
 class Reason(str, Enum):
@@ -46,6 +47,11 @@ class Reason(str, Enum):
     # TransferHealthy from engine pods' termination messages (podchecks.py)
     PREFLIGHT_FAILED = "PreflightFailed"
     INJECT_FAILED = "ConnectorInjectFailed"
+    # GangAdmitted reasons (admission.py, at reconcile)
+    KUEUE_POD_GROUP = "KueuePodGroup"
+    GANG_SCHEDULER_MISSING = "GangSchedulerMissing"
+    GANG_NOT_REQUESTED = "GangNotRequested"
+    NO_GANG_SCHEDULER = "NoGangScheduler"
 
 
 class EventReason(str, Enum):
@@ -95,6 +101,8 @@ class Observed:
     # The metrics timer's TransferHealthy verdict and transfer summary; None = carried from status.
     transfer: Verdict | None = None
     transfer_summary: dict[str, Any] | None = None
+    # The reconcile's GangAdmitted verdict (admission.py); None = carried from status.
+    gang: Verdict | None = None
 
 
 def set_condition(
@@ -207,6 +215,10 @@ def summarize(
     status["conditions"] = conditions(
         faults, problems, verdict, ready_msg, list(previous.get("conditions", [])), generation, now
     )
+    if observed.gang is not None:  # else GangAdmitted stays as the last reconcile wrote it
+        status["conditions"] = set_condition(
+            status["conditions"], ConditionType.GANG_ADMITTED, *observed.gang, generation, now
+        )
     return status
 
 

@@ -60,8 +60,18 @@ FIXES: dict[Reason, str] = {
         "the init container could not copy the connector: check the operator image (spec.router.image) "
         "and `kubectl logs POD -c kvferry-inject`"
     ),
+    Reason.KUEUE_POD_GROUP: "nothing to do; `kubectl get workloads` shows the pod group's admission",
+    Reason.GANG_SCHEDULER_MISSING: (
+        'install Kueue with its pod integration (docs/install.md "Gang admission"), or set '
+        "spec.placement.gang none"
+    ),
+    Reason.GANG_NOT_REQUESTED: "set spec.placement.gang kueue and queueName to a LocalQueue of the namespace",
+    Reason.NO_GANG_SCHEDULER: (
+        'install Kueue to admit prefill and decode together (docs/install.md "Gang admission"); until '
+        "then watch both roles' readiness (kubectl get disaggregatedinference)"
+    ),
 }
-HEALTHY = {Reason.ALL_READY, Reason.RECONCILED, Reason.TRANSFERS_OK}
+HEALTHY = {Reason.ALL_READY, Reason.RECONCILED, Reason.TRANSFERS_OK, Reason.KUEUE_POD_GROUP}
 
 
 def explain(reason: Reason, message: str) -> str:
@@ -80,6 +90,15 @@ _CONDITIONS = {
     Reason.CONFLICT: "Ready, Progressing, Degraded",
     Reason.TRANSFER_UNHEALTHY: "Degraded",
     Reason.SECRET_MISSING: "Degraded",
+    **{
+        r: "GangAdmitted"
+        for r in (
+            Reason.KUEUE_POD_GROUP,
+            Reason.GANG_SCHEDULER_MISSING,
+            Reason.GANG_NOT_REQUESTED,
+            Reason.NO_GANG_SCHEDULER,
+        )
+    },
     **{
         r: "Ready, Progressing"
         for r in (

@@ -46,6 +46,9 @@ class FakeKube:
     def exists(self, kind: str, namespace: str, name: str) -> bool:
         return name in self.secrets
 
+    def serves(self, group: str) -> bool:
+        return False  # no gang admission API (Kueue, coscheduling) installed
+
     def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
         return [
             {
