@@ -1,6 +1,9 @@
 """P/D comparison bench: in one run, start and sweep a single instance, upstream pull, upstream push and
 kvferry push (when its connector exists), then print the P/D overhead TTFT(P/D) - TTFT(single) per mode
-and the kvferry / upstream-push ratios, side by side.
+and the kvferry / upstream-push ratios, side by side. Every cell is measured by two clients: the
+project's own (`kvferry bench`, tools/loadbench.py) and vLLM's (`vllm bench serve`, tools/vllmbench.py,
+a real client nobody here wrote); for each client a table gives kvferry's TTFT p50/p99, TPOT p50 and
+throughput against the best upstream P/D mode of that cell, as ratios.
 
 Two baselines: `single` gets both cores (the same total CPU as a P/D pair); `single-1core` gets one
 core, the resources of one P/D engine (as one GPU per engine in a GPU comparison). Against
@@ -27,31 +30,73 @@ from pathlib import Path
 import httpx
 from kvferry.local.tinymodel import ensure
 from kvferry.router.promtext import parse_metrics
-from kvferry.tools import loadbench
+from kvferry.tools import loadbench, vllmbench
 from kvferry.tools.pdstack import PdStack, kvferry_connector_available
 from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 
 ALL_MODES = ("single", "single-1core", "vllm-pull", "vllm-push", "kvferry")
+UPSTREAM = ("vllm-pull", "vllm-push")
+CLIENTS = ("kvferry", "vllm")  # tools/loadbench.py, `vllm bench serve`
 SINGLE_CORES = {"single": "0-1", "single-1core": "0"}
 ROUTER_STATS: dict[str, dict[str, float]] = {}
 RESTARTS: dict[str, list[str]] = {}  # mode -> cells after which its stack was started again
 
 
+Cells = dict[str, list]  # client -> cells (loadbench.Cell or vllmbench.BenchCell), in sweep order
+
+
+def run_clients(sweep: loadbench.Sweep, url: str, clients: list[str], model: Path, warmup: int) -> Cells:
+    """One cell (sweep has one length and rate) by each client, one after the other."""
+    out: Cells = {}
+    if "kvferry" in clients:
+        out["kvferry"] = loadbench.run_sweep(replace(sweep, url=url), warmup=warmup)
+    if "vllm" in clients:
+        (length,), (rate,) = sweep.lengths, sweep.rates
+        requests = max(sweep.min_requests, math.ceil(rate * sweep.duration_s))
+        try:
+            cell = vllmbench.run_cell(url, model, length, rate, requests, sweep.max_tokens, 900)
+        except Exception as exc:  # keep the other client's numbers; show the cell as failed
+            print(f"   vllm bench serve: {exc}"[:1000], file=sys.stderr)
+            cell = vllmbench.BenchCell(length, rate, 0, requests)
+        print(f"   vllm bench serve {length}x{rate:g}: TTFT p50={cell.ttft_ms.get('p50', math.nan):.1f}ms "
+              f"TPOT p50={cell.tpot_ms.get('p50', math.nan):.2f}ms {cell.req_per_s:.2f} req/s")  # fmt: skip
+        out["vllm"] = [cell]
+    return out
+
+
+def _extend(into: Cells, more: Cells) -> None:
+    for client, cells in more.items():
+        into.setdefault(client, []).extend(cells)
+
+
+def _failed(cells: Cells) -> int:
+    return sum(c[-1].failed for c in cells.values() if c)
+
+
 def measure(
-    mode: str, sweep: loadbench.Sweep, model: Path, workdir: Path, stock: bool, kvferry_extra: dict
-) -> list[loadbench.Cell]:
-    """Start the mode's servers, sweep, stop them (by PID) even on failure.
+    mode: str,
+    sweep: loadbench.Sweep,
+    model: Path,
+    workdir: Path,
+    stock: bool,
+    kvferry_extra: dict,
+    clients: list[str],
+) -> Cells:
+    """Start the mode's servers, sweep (each cell by every client), stop them (by PID) even on failure.
 
     A P/D stack is started again after a cell with failed requests: upstream push can wedge silently
     and would then fail every later cell too, leaving nothing to compare (the failures stay counted).
     """
     print(f"== {mode}: starting", flush=True)
+    cells: Cells = {}
     if mode in SINGLE_CORES:
         spec = ServerSpec(model=model, port=free_port(), cores=SINGLE_CORES[mode])
         server = VllmProcess(spec, workdir / f"{mode}.log")
         with server:
-            return loadbench.run_sweep(replace(sweep, url=server.url))
-    cells: list[loadbench.Cell] = []
+            for i, (length, rate) in enumerate((n, r) for n in sweep.lengths for r in sweep.rates):
+                one = replace(sweep, lengths=(length,), rates=(rate,))
+                _extend(cells, run_clients(one, server.url, clients, model, 3 if i == 0 else 0))
+        return cells
     stack: PdStack | None = None
     try:
         for length in sweep.lengths:
@@ -67,10 +112,10 @@ def measure(
                         kvferry_extra=kvferry_extra,
                     )
                     stack.start()
-                cell_sweep = replace(sweep, url=stack.url, lengths=(length,), rates=(rate,))
-                cells += loadbench.run_sweep(cell_sweep, warmup=3 if fresh else 0)
-                if cells[-1].failed:
-                    failed = cells[-1].failed
+                cell_sweep = replace(sweep, lengths=(length,), rates=(rate,))
+                _extend(cells, run_clients(cell_sweep, stack.url, clients, model, 3 if fresh else 0))
+                if _failed(cells):
+                    failed = _failed(cells)
                     print(f"== {mode}: {failed} failed at {length}x{rate:g}: restarting", flush=True)
                     RESTARTS.setdefault(mode, []).append(f"{length} tokens x {rate:g}/s")
                     _stop(mode, stack)
@@ -137,6 +182,48 @@ def comparison(results: dict[str, list[loadbench.Cell]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _best(cells: dict[str, object], get, low: bool) -> tuple[float, str]:  # type: ignore[no-untyped-def]
+    """The best value among the upstream modes' cells and which mode had it (NaN when none ran)."""
+    values = [(get(c), m) for m, c in cells.items() if not math.isnan(get(c))]
+    if not values:
+        return math.nan, "-"
+    return min(values) if low else max(values)
+
+
+def versus_best(results: dict[str, list], client: str) -> str:
+    """kvferry against the best upstream P/D mode of each cell: lowest TTFT p50/p99 and TPOT p50,
+    highest throughput; ratios < 1 (latency) or > 1 (throughput) mean kvferry is better."""
+    ups = [m for m in UPSTREAM if m in results]
+    if "kvferry" not in results or not ups:
+        return ""
+    metrics = (
+        ("TTFT p50", lambda c: c.ttft_ms.get("p50", math.nan), True),
+        ("TTFT p99", lambda c: c.ttft_ms.get("p99", math.nan), True),
+        ("TPOT p50", lambda c: c.tpot_ms.get("p50", math.nan), True),
+        ("req/s", lambda c: c.req_per_s if c.ok else math.nan, False),
+    )
+    head = ["prompt", "rate"] + [f"{name} kvferry / best upstream" for name, _, _ in metrics]
+    lines = [f"#### Client: {client}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, k in enumerate(results["kvferry"]):
+        row = [str(k.length), f"{k.rate:g}"]
+        for _, get, low in metrics:
+            best, mode = _best({m: results[m][i] for m in ups}, get, low)
+            row.append(f"{get(k):.1f} / {best:.1f} ({mode}) = {_ratio(get(k), best)}")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def cells_table(cells: list, title: str) -> str:
+    """Per-cell numbers of either client."""
+    head = "| prompt | rate | ok/failed | TTFT p50 / p99 ms | TPOT p50 / p99 ms | req/s |"
+    lines = [f"#### {title}", "", head, "|---|---|---|---|---|---|"]
+    for c in cells:
+        ttft = f"{c.ttft_ms.get('p50', math.nan):.1f} / {c.ttft_ms.get('p99', math.nan):.1f}"
+        tpot = f"{c.tpot_ms.get('p50', math.nan):.2f} / {c.tpot_ms.get('p99', math.nan):.2f}"
+        lines.append(f"| {c.length} | {c.rate:g} | {c.ok}/{c.failed} | {ttft} | {tpot} | {c.req_per_s:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default=",".join(ALL_MODES))
@@ -151,8 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kvferry-extra", type=json.loads, default={}, help="kv_connector_extra_config overrides (JSON)"
     )
+    parser.add_argument(
+        "--clients", default=",".join(CLIENTS), help="kvferry (tools/loadbench.py), vllm (`vllm bench serve`)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/pd_compare"))
     args = parser.parse_args(argv)
+    clients = [c for c in args.clients.split(",") if c]
+    if not clients or set(clients) - set(CLIENTS):
+        parser.error(f"--clients: a subset of {list(CLIENTS)}")
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(ALL_MODES))
     if unknown:
@@ -166,20 +259,30 @@ def main(argv: list[str] | None = None) -> int:
         duration_s=args.duration, timeout_s=args.timeout,
     )  # fmt: skip
     model = ensure("llama")
-    results: dict[str, list[loadbench.Cell]] = {}
+    by_client: dict[str, dict[str, list]] = {c: {} for c in clients}  # client -> mode -> cells
     with tempfile.TemporaryDirectory(prefix="pd-compare-") as tmp:
         for mode in modes:
             try:
-                results[mode] = measure(
-                    mode, sweep, model, Path(tmp), args.stock_upstream, args.kvferry_extra
+                cells = measure(
+                    mode, sweep, model, Path(tmp), args.stock_upstream, args.kvferry_extra, clients
                 )
             except Exception as exc:  # one broken mode must not lose the others' numbers
                 print(f"== {mode}: FAILED: {exc!r}"[:2000], file=sys.stderr)
                 ROUTER_STATS[mode] = {"failed to run": 1.0}
-    if not results:
+                continue
+            for client, client_cells in cells.items():
+                by_client[client][mode] = client_cells
+    if not any(by_client.values()):
         return 1
-    tables = "\n".join(loadbench.markdown(results[m], m) for m in results)
-    summary = comparison(results)
+    tables = "\n".join(
+        cells_table(cells, f"{m}, client {client}")
+        for client, res in by_client.items()
+        for m, cells in res.items()
+    )
+    results = by_client.get("kvferry", {})
+    summary = comparison(results) if results else ""
+    summary += "\n### kvferry against the best upstream mode, per client\n\n"
+    summary += "\n".join(versus_best(res, client) for client, res in by_client.items())
     stats = "\n".join(
         f"- {m}: {ROUTER_STATS.get(m) or 'no recomputes, no failed legs'}"
         for m in modes
@@ -193,18 +296,23 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     upstream = "as shipped" if args.stock_upstream else "UCX progress thread off"
     header = f"# P/D comparison\n\nCommand: `python bench/pd_compare.py {' '.join(argv or sys.argv[1:])}`\n"
-    header += f"Upstream connectors: {upstream}. Output tokens: {args.max_tokens}. Prefix caching off.\n\n"
+    header += f"Upstream connectors: {upstream}. Output tokens: {args.max_tokens}. Random prompts (no "
+    header += "prefix-cache hits). Clients: " + ", ".join(clients) + ".\n\n"
     args.out.with_suffix(".md").write_text(header + summary + "\n" + tables)
     doc = {
         "sweep": asdict(sweep),
         "router": ROUTER_STATS,
         "restarts": RESTARTS,
-        "modes": {m: [asdict(c) for c in cells] for m, cells in results.items()},
+        "clients": {
+            client: {m: [asdict(c) for c in cells] for m, cells in res.items()}
+            for client, res in by_client.items()
+        },
     }
     args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
-    loadbench.plot(
-        results, args.out.with_suffix(".png"), "TTFT / TPOT p50: single vs P/D modes (2 CPU cores)"
-    )
+    if results:
+        loadbench.plot(
+            results, args.out.with_suffix(".png"), "TTFT / TPOT p50: single vs P/D modes (2 CPU cores)"
+        )
     print(f"wrote {args.out.with_suffix('.md')}, .json, .png")
     return 0
 

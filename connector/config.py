@@ -59,7 +59,10 @@ class KvferryConfig:
     # advance only when polled, so this bounds each hop (2 ms made a 256-token WRITE take 6 ms instead
     # of 3; bench/results/README.md). It was 2 ms while vLLM's queue spin starved the endpoint thread.
     poll_min_s: Seconds = 0.0002
-    poll_max_s: Seconds = 0.01  # idle poll interval (bounds registration pickup latency when idle)
+    poll_max_s: Seconds = 0.01  # poll interval while something is pending (e.g. held blocks await D)
+    # nothing pending at all: the endpoint thread sleeps this long between housekeeping rounds (any
+    # command wakes it at once); poll_max_s here restores the old always-polling behaviour
+    idle_tick_s: Seconds = 1.0
     handshake_timeout_s: Seconds = 5.0  # per side-channel attempt
     handshake_attempts: AtLeastOne = 3  # with exponential backoff between attempts
     progress_thread: bool = False  # UCX progress thread: busy-spins about one core when idle

@@ -8,6 +8,7 @@ vLLM's /metrics as a journal inside `KvferryStats`, replayed by `KvferryPromMetr
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -106,7 +107,9 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, KvferryMetadata)
+        t0 = time.perf_counter()
         self.work.on_step(connector_metadata)  # before the forward pass, unlike start_load_kv here
+        self.work.cost.add(time.perf_counter() - t0)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return None  # done in bind_connector_metadata: vLLM 0.32 calls this after the forward pass
@@ -120,10 +123,16 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # the producer writes whole requests after the forward pass (wait_for_save)
 
     def wait_for_save(self) -> None:
+        t0 = time.perf_counter()
         self.work.after_forward()
+        self.work.cost.add(time.perf_counter() - t0)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self.work.get_transfer_results()
+        t0 = time.perf_counter()
+        try:
+            return self.work.get_transfer_results()
+        finally:
+            self.work.cost.step(time.perf_counter() - t0)  # once per engine step
 
     def get_kv_connector_stats(self) -> KvferryStats | None:
         if self._worker is None:  # vLLM also asks the scheduler-side instance; its stats come from workers

@@ -3,12 +3,13 @@
 Callers (vLLM's worker main thread, the demo, tests) only enqueue commands and take results, both
 non-blocking. The thread: drains commands, reads notifications, checks write handles, ticks the
 cores, and carries out their actions. It waits on an event between rounds with a bounded backoff
-(`poll_min_s` right after activity and while a WRITE is in flight, up to ~8x that while transfers
-are pending, `poll_max_s` when idle), so an idle endpoint costs a few hundred wakeups a second
-rather than a spinning core. While requests are pending, the vLLM glue also `kick()`s a round at
-every engine step: without a UCX progress thread a WRITE and its notification advance only when an
-agent is polled, so progress at vLLM's step cadence adds to the backoff's, and costs nothing once
-nothing is pending.
+(`poll_min_s` right after activity and while a WRITE is in flight, up to ~8x that while receives are
+pending, `poll_max_s` while anything else is), and with nothing pending at all it sleeps
+`idle_tick_s` (housekeeping only): nothing that can arrive then needs an answer before a command
+wakes the thread (a registration waits for its prefill to finish, a notice for its expectation), so
+an engine with no transfers shares its core with no one (bench/connector_idle_cost.py). While
+requests are pending, the vLLM glue also `kick()`s a round at every engine step: without a UCX
+progress thread a WRITE and its notification advance only when an agent is polled.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from kvferry.contracts.metrics import LAYOUT_MISMATCH
 log = logging.getLogger(__name__)
 Key = P.Key
 PRUNE_EVERY_S = 5.0
+USAGE_EVERY_S = 1.0  # how often the thread's wake-ups and CPU time go to the metrics journal
+CONTACT_WINDOW_S = 5.0  # after a peer fetched our metadata, poll while it connects (UCX wire-up)
 
 
 @dataclass
@@ -97,6 +100,7 @@ class Endpoint:
         self.peers = Peers(cfg, self.metrics, self._wake.set)
         self.writes = InFlight()
         self._fenced = False  # a stuck WRITE: never drive this agent again (writes.py)
+        self._contact_until = 0.0  # a peer is connecting until then (set by the side-channel thread)
         self._last_pending: dict[str, int] = {}
         self.recent = self.writes.recent  # completed WRITEs (benchmark, debugging)
         # consumer: producer host, port; blocks, first token, end token
@@ -223,12 +227,16 @@ class Endpoint:
             self._teardown()
 
     def _serve(self, interval: float) -> None:
+        rounds, since, cpu = 0, time.monotonic(), time.thread_time()
         while not self._stop.is_set():
             active = self._round()
-            cap = min(self.cfg.poll_min_s * 8, self.cfg.poll_max_s) if self._busy() else self.cfg.poll_max_s
-            # A WRITE in flight is short and on the critical path: poll it at full rate.
-            fast = active or bool(self.writes)
-            interval = self.cfg.poll_min_s if fast else min(interval * 2, cap)
+            rounds += 1
+            if time.monotonic() - since >= USAGE_EVERY_S:  # batched: each record ships at the next step
+                now_cpu = time.thread_time()
+                self.metrics.record("endpoint_rounds", rounds, self.role)
+                self.metrics.record("endpoint_cpu", now_cpu - cpu, self.role)
+                rounds, since, cpu = 0, time.monotonic(), now_cpu
+            interval = self._next_wait(active, interval)
             self._wake.wait(interval)
             self._wake.clear()
 
@@ -250,7 +258,9 @@ class Endpoint:
             self.incarnation, layout_to_wire(self.layout), self.layout.fingerprint,
         )  # fmt: skip
         port = self.cfg.side_channel_port + self.tp_rank if self.cfg.side_channel_port else 0  # 0: any port
-        self.side = SideChannelServer(self.cfg.side_channel_host, port, encode(info))
+        self.side = SideChannelServer(
+            self.cfg.side_channel_host, port, encode(info), on_contact=self._contacted
+        )
 
     def _teardown(self) -> None:
         if self.side is not None:
@@ -258,6 +268,21 @@ class Endpoint:
         if self.transport is not None and not self._fenced:
             self.writes.release_all(self.transport)
             self.transport.close()
+
+    def _contacted(self) -> None:
+        self._contact_until = time.monotonic() + CONTACT_WINDOW_S
+        self._wake.set()
+
+    def _next_wait(self, active: bool, interval: float) -> float:
+        """How long to sleep before the next round; commands and kicks wake the thread sooner."""
+        if active or self.writes:  # a WRITE in flight is short and on the critical path: full rate
+            return self.cfg.poll_min_s
+        core = self.producer or self.consumer
+        connecting = time.monotonic() < self._contact_until
+        if not (connecting or self.peers.fetching or any(core.pending().values())):
+            return self.cfg.idle_tick_s  # nothing pending: only housekeeping (expiry, pruning) is due
+        cap = min(self.cfg.poll_min_s * 8, self.cfg.poll_max_s) if self._busy() else self.cfg.poll_max_s
+        return min(interval * 2, cap)
 
     def _busy(self) -> bool:
         return bool(self.writes or self.peers.fetching or (self.consumer and self.consumer.expected))

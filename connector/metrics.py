@@ -137,6 +137,28 @@ SPECS = (
         "Entries in the connector's bounded maps",
         ("role", "kind", "tp_rank"),
     ),
+    Spec(
+        "endpoint_rounds",
+        Counter,
+        names.ENDPOINT_ROUNDS,
+        "Rounds (wake-ups) of the endpoint thread (connector/endpoint.py)",
+        ("role",),
+    ),
+    Spec(
+        "endpoint_cpu",
+        Counter,
+        names.ENDPOINT_CPU_SECONDS,
+        "CPU time of the endpoint thread (what it takes from the engine's core)",
+        ("role",),
+    ),
+    Spec(
+        "step_hook_seconds",
+        Counter,
+        names.STEP_HOOK_SECONDS,
+        "Time spent in the connector's per-step hooks on vLLM's worker thread (divide by kvferry_steps)",
+        ("role",),
+    ),
+    Spec("steps", Counter, names.STEPS, "Engine steps the connector's worker hooks ran in", ("role",)),
     Spec("handshakes", Counter, names.HANDSHAKES, "Side-channel peer metadata fetches", ("result",)),
     Spec(
         "preflight",

@@ -25,6 +25,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvferry.connector.ratelimit import RateLimitedLog
@@ -70,11 +71,21 @@ class SideChannelServer:
     """Serves one encoded PeerInfo on host:port from a daemon thread until `close()`."""
 
     def __init__(
-        self, host: str, port: int, payload: bytes, *, max_clients: int = 64, deadline_s: float = 2.0
+        self,
+        host: str,
+        port: int,
+        payload: bytes,
+        *,
+        max_clients: int = 64,
+        deadline_s: float = 2.0,
+        on_contact: Callable[[], None] | None = None,
     ) -> None:
+        """`on_contact` runs (on the server thread) for every accepted connection: a peer fetching our
+        metadata is about to connect through NIXL, which needs our agent's progress to complete."""
         if max_clients < 1 or deadline_s <= 0:
             raise ValueError("max_clients must be >= 1 and deadline_s > 0")
         self.max_clients, self.deadline_s = max_clients, deadline_s
+        self._on_contact = on_contact
         self.stats = SideChannelStats()
         self._payload = struct.pack(">I", len(payload)) + payload
         self._sock = socket.create_server((host, port), reuse_port=False, backlog=_BACKLOG)
@@ -155,6 +166,8 @@ class SideChannelServer:
                 self._warn("refused", "%s: %d clients already open, refused %s", self.max_clients, peer)
                 continue
             conn.setblocking(False)
+            if self._on_contact is not None:
+                self._on_contact()
             client = _Client(conn, conn.fileno(), peer, time.monotonic() + self.deadline_s)
             self._clients[client.fd] = client
             self._sel.register(conn, selectors.EVENT_READ, client)

@@ -8,6 +8,7 @@ alone owns NIXL), results are taken without waiting. vLLM request ids are mapped
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,26 @@ def _record_event() -> Any:
     return event
 
 
+class StepCost:
+    """Time in the connector's hooks on vLLM's worker thread, summed and recorded once a second (one
+    journal entry per step would ship stats to the API server at every step)."""
+
+    def __init__(self, metrics: Metrics, role: str, every_s: float = 1.0) -> None:
+        self.metrics, self.role, self.every_s = metrics, role, every_s
+        self.seconds, self.steps, self.since = 0.0, 0, time.monotonic()
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+
+    def step(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.steps += 1
+        if time.monotonic() - self.since >= self.every_s:
+            self.metrics.record("step_hook_seconds", self.seconds, self.role)
+            self.metrics.record("steps", self.steps, self.role)
+            self.seconds, self.steps, self.since = 0.0, 0, time.monotonic()
+
+
 class KvferryWorker:
     def __init__(self, vllm_config: VllmConfig, cfg: KvferryConfig, kv_cache_config: Any) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -47,6 +68,7 @@ class KvferryWorker:
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.kv_cache_config = kv_cache_config
         self.metrics = Metrics(journal=True)
+        self.cost = StepCost(self.metrics, "producer" if self.is_producer else "consumer")
         self.endpoint: Endpoint | None = None
         self._ratio = 1  # kernel blocks per logical block
         self._req_of: dict[Key, str] = {}  # kvferry key -> vLLM request id, until its result

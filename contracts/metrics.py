@@ -24,6 +24,10 @@ PREFLIGHT_OK = "kvferry_preflight_ok"
 PREFIX_TOKENS_HELD = "kvferry_prefix_tokens_held"  # consumer: prompt tokens already cached, not pushed
 PUSHED_TOKENS = "kvferry_pushed_tokens"  # producer: prompt tokens written by completed WRITEs
 PUSHED_BLOCKS = "kvferry_pushed_blocks"  # producer: consumer blocks written by completed WRITEs
+ENDPOINT_ROUNDS = "kvferry_endpoint_rounds"  # wake-ups of the endpoint thread
+ENDPOINT_CPU_SECONDS = "kvferry_endpoint_cpu_seconds"  # CPU time of the endpoint thread
+STEP_HOOK_SECONDS = "kvferry_step_hook_seconds"  # time in the connector's hooks on vLLM's worker thread
+STEPS = "kvferry_steps"  # engine steps those hooks ran in
 
 # Labels the operator reads.
 BACKEND = "backend"  # on any kvferry_* sample: the NIXL backend that moved the bytes

@@ -43,3 +43,36 @@ def test_a_cell_without_successful_requests_reads_n_a() -> None:
         {"single": cell(30.0), "vllm-push": cell(float("nan")), "kvferry": cell(60.0)}
     )
     assert "| 256 | 1 | 30.0 | nan | 60.0 | n/a | +30.0 | n/a | n/a | 1.00 |" in table
+
+
+def bench_cell(ttft: float, p99: float, tpot: float, rps: float, ok: int = 10):
+    from kvferry.tools.vllmbench import BenchCell
+
+    return [BenchCell(1024, 4.0, ok, 10 - ok, {"p50": ttft, "p99": p99}, {"p50": tpot, "p99": tpot}, rps)]
+
+
+def test_kvferry_is_held_against_the_best_upstream_mode_of_each_metric() -> None:
+    results = {
+        "vllm-pull": bench_cell(100.0, 300.0, 9.0, 3.5),
+        "vllm-push": bench_cell(90.0, 400.0, 10.0, 3.0, ok=0),  # wedged: no throughput to compare
+        "kvferry": bench_cell(120.0, 240.0, 9.0, 3.8),
+    }
+    row = pd_compare.versus_best(results, "vllm").splitlines()[4]
+    assert row == (
+        "| 1024 | 4 | 120.0 / 90.0 (vllm-push) = 1.33 | 240.0 / 300.0 (vllm-pull) = 0.80 | "
+        "9.0 / 9.0 (vllm-pull) = 1.00 | 3.8 / 3.5 (vllm-pull) = 1.09 |"
+    )
+
+
+def test_vllm_bench_serve_results_are_read_by_name() -> None:
+    import pytest
+    from kvferry.tools.vllmbench import parse_result
+
+    doc = {"completed": 23, "failed": 1, "median_ttft_ms": 101.5, "p99_ttft_ms": 300.0,
+           "median_tpot_ms": 8.25, "p99_tpot_ms": 12.0, "request_throughput": 3.9}  # fmt: skip
+    cell = parse_result(doc, 1024, 4.0)
+    assert (cell.ok, cell.failed, cell.ttft_ms, cell.tpot_ms["p50"], cell.req_per_s) == (
+        23, 1, {"p50": 101.5, "p99": 300.0}, 8.25, 3.9,
+    )  # fmt: skip
+    with pytest.raises(KeyError, match="median_tpot_ms"):
+        parse_result({k: v for k, v in doc.items() if k != "median_tpot_ms"}, 1024, 4.0)
