@@ -57,6 +57,13 @@ PRINTER_COLUMNS = [
         "priority": 1,
     },
     {"name": "Scale-Reason", "type": "string", "jsonPath": ".status.autoscaling.lastDecision", "priority": 1},
+    {
+        "name": "Zone",
+        "type": "string",
+        "jsonPath": ".status.placement.zone",
+        "description": "zone of every engine pod, or split",
+        "priority": 1,
+    },
     {"name": "Revision", "type": "string", "jsonPath": ".status.revision", "priority": 1},
     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

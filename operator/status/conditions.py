@@ -103,6 +103,8 @@ class Observed:
     transfer_summary: dict[str, Any] | None = None
     # The reconcile's GangAdmitted verdict (admission.py); None = carried from status.
     gang: Verdict | None = None
+    # Where the engine pods landed (landed.py, from the metrics timer's pod list); None = carried.
+    placement: dict[str, Any] | None = None
 
 
 def set_condition(
@@ -215,6 +217,9 @@ def summarize(
     status["conditions"] = conditions(
         faults, problems, verdict, ready_msg, list(previous.get("conditions", [])), generation, now
     )
+    placement = observed.placement if observed.placement is not None else previous.get("placement")
+    if placement is not None:
+        status["placement"] = placement
     if observed.gang is not None:  # else GangAdmitted stays as the last reconcile wrote it
         status["conditions"] = set_condition(
             status["conditions"], ConditionType.GANG_ADMITTED, *observed.gang, generation, now

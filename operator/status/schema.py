@@ -84,6 +84,23 @@ class AutoscalingStatus:
 
 
 @dataclass
+class RolePlacement:
+    """Where one role's pods landed (operator/status/landed.py)."""
+
+    zones: list[str] = f("Zones of its bound pods (topology.kubernetes.io/zone; unknown without it).", [])
+    pods: int = f("Pods bound to a node.", 0)
+
+
+@dataclass
+class PlacementStatus:
+    """Where the engine pods landed, from the pods' zone labels (read by the metrics timer)."""
+
+    prefill: RolePlacement = f("Prefill pods.", RolePlacement())
+    decode: RolePlacement = f("Decode pods.", RolePlacement())
+    zone: str = f("The zone all engine pods are in; `split` across zones; empty before any lands.", "")
+
+
+@dataclass
 class Condition:
     type: str = f("Ready, Progressing, TransferHealthy or Degraded.")
     status: str = f("True, False or Unknown.", enum=["True", "False", "Unknown"])
@@ -102,5 +119,6 @@ class Status:
     decode: RoleStatus = f("Decode StatefulSet.", RoleStatus())
     router: RouterStatus = f("Router Deployment.", RouterStatus())
     transfer: TransferStatus = f("KV transfer summary.", TransferStatus())
+    placement: PlacementStatus = f("Where prefill and decode pods landed.", PlacementStatus())
     conditions: list[Condition] = f("Ready, Progressing, TransferHealthy, Degraded.", [])
     autoscaling: AutoscalingStatus | None = f("The autoscale planner's view and last decision.", None)

@@ -1,0 +1,37 @@
+"""Landed step (pure): the engine pods of one CR -> where each role landed (zones), for status.placement.
+
+The zone is read from the pod, not its node: from Kubernetes 1.35 the API server copies the node's
+topology.kubernetes.io/zone label onto every pod it binds (PodTopologyLabelsAdmission, beta, on by
+default), so the operator needs no access to Nodes. A bound pod without the label (an older cluster, a
+node without a zone) counts as "unknown".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvferry.operator import names
+from kvferry.operator.render.placement import ZONE
+
+UNKNOWN = "unknown"
+
+
+def landed(pods: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Role -> {zones: sorted zones of its bound pods, pods: how many are bound}."""
+    out: dict[str, dict[str, Any]] = {}
+    for role in names.ROLES:
+        bound = [
+            p
+            for p in pods
+            if (p["metadata"].get("labels") or {}).get(names.LABEL_ROLE) == role
+            and (p.get("spec") or {}).get("nodeName")
+        ]
+        zones = {(p["metadata"].get("labels") or {}).get(ZONE, UNKNOWN) for p in bound}
+        out[role] = {"zones": sorted(zones), "pods": len(bound)}
+    return out
+
+
+def summary(placement: dict[str, dict[str, Any]]) -> str:
+    """One word for `kubectl get`: the zone all engine pods share, `split` across zones, or empty."""
+    zones = {z for role in placement.values() for z in role["zones"]}
+    return "" if not zones else zones.pop() if len(zones) == 1 else "split"
