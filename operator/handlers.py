@@ -19,6 +19,7 @@ from typing import Any
 import kopf
 from kvferry.operator import names, peering, reconcile, selfmetrics, shard
 from kvferry.operator.apply import RENDERED_KINDS, RESOURCES, Kube, load_configuration
+from kvferry.operator.autoscale import timer as autoscale_timer
 from kvferry.operator.changes import Change, Changes
 from kvferry.operator.coalesce import Coalescer
 from kvferry.operator.config import OperatorConfig
@@ -299,6 +300,9 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         kw = {"trigger": "resync", "watched": watched_by(owned, body)}
         run = lambda: reconcile.reconcile(memo.kube, _plain(body), cfg, **kw)  # noqa: E731
         post(body, timed("resync", run))
+
+    # spec.autoscaling: a planner evaluation per autoscaled CR each metrics interval (operator/autoscale/)
+    autoscale_timer.register(registry, cfg, plain=_plain, watched_by=watched_by, when=mine)
 
 
 def _plain(body: Any) -> dict[str, Any]:

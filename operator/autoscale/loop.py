@@ -140,6 +140,7 @@ class Autoscaler:
         with self._lock:
             memory = self._memory.setdefault(key, Memory())
         w = window(memory.scrape, scrape, spec.percentile)
+        log.debug("autoscale %s/%s: %s", ns, name, w)
         result = plan(spec, w, current, ready, memory.history, time.monotonic() if now is None else now)
         memory.scrape, memory.history = scrape, result.history
         events = self._write(kube, cr, spec, result, sets)

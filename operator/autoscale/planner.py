@@ -100,6 +100,8 @@ def raw(role: str, spec: Autoscaling, w: Window, current: int) -> tuple[int, str
         return _grow(current, observed, target), says
     if not mine and w.decode_kv_usage >= KV_FULL and w.decode_waiting > 0:
         return current + 1, f"decode KV cache {w.decode_kv_usage:.0%} full, {w.decode_waiting:.0f} waiting"
+    if w.compared == 0:  # no decode engine answered twice yet: nothing is known about latency
+        return current, f"{says}; no metrics window yet"
     if observed is None and waiting > 0 and w.requests == 0:
         return current + 1, f"{waiting:.0f} requests waiting on {role}, none finished in the window"
     if observed is not None and observed < target * spec.scale_down_below and waiting == 0:

@@ -99,6 +99,7 @@ class Window:
     decode_kv_usage: float = 0.0  # the fullest decode's KV cache, 0..1
     prefill_sources: int = 0  # engines that answered
     decode_sources: int = 0
+    compared: int = 0  # decode engines seen in both scrapes: 0 = no window yet, latency unknown
 
 
 Scrape = Mapping[str, Mapping[str, EngineSample]]  # role -> source (pod) -> sample
@@ -124,4 +125,5 @@ def window(before: Scrape, now: Scrape, percentile: str) -> Window:
         decode_kv_usage=max((s.kv_usage for s in decode.values()), default=0.0),
         prefill_sources=len(prefill),
         decode_sources=len(decode),
+        compared=sum(1 for p in decode if p in old),
     )

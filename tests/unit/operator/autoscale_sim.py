@@ -71,6 +71,7 @@ class Service:
             decode_waiting=d_wait,
             prefill_running=float(busy),
             decode_running=float(busy),
+            compared=ready["decode"],
         )
 
     def step(self, load: Load) -> Plan:

@@ -83,46 +83,56 @@ def test_noisy_latency_around_target_does_not_flap() -> None:
     assert max(sizes) <= 6
 
 
+def test_no_window_yet_holds_even_with_a_queue() -> None:
+    w = Window(requests=0, prefill_waiting=9, decode_sources=1, compared=0)
+    result = plan(spec(), w, {"prefill": 1, "decode": 1}, {"prefill": 1, "decode": 1}, History(), 0)
+    assert result.prefill.action == "hold" and "no metrics window yet" in result.prefill.reason
+
+
 def test_too_few_requests_say_nothing() -> None:
-    w = Window(ttft=None, itl=None, requests=2, tokens=2, decode_running=1)
+    w = Window(ttft=None, itl=None, requests=2, tokens=2, decode_running=1, compared=1)
     result = plan(spec(), w, {"prefill": 2, "decode": 2}, {"prefill": 2, "decode": 2}, History(), 0)
     assert result.prefill.action == result.decode.action == "hold"
 
 
 def test_pods_still_loading_hold_the_role() -> None:
-    w = Window(ttft=5.0, itl=0.01, requests=50, tokens=500, prefill_waiting=20)
+    w = Window(ttft=5.0, itl=0.01, requests=50, tokens=500, prefill_waiting=20, compared=1)
     result = plan(spec(), w, {"prefill": 3, "decode": 1}, {"prefill": 1, "decode": 1}, History(), 0)
     assert result.prefill.desired == 3 and "waiting for 2 pods" in result.prefill.reason
 
 
 def test_ttft_queued_on_decode_grows_decode() -> None:
-    w = Window(ttft=4.0, itl=0.03, requests=40, tokens=400, decode_waiting=12, decode_kv_usage=0.97)
+    w = Window(
+        ttft=4.0, itl=0.03, requests=40, tokens=400, decode_waiting=12, decode_kv_usage=0.97, compared=1
+    )
     result = plan(spec(), w, {"prefill": 2, "decode": 2}, {"prefill": 2, "decode": 2}, History(), 0)
     assert result.prefill.action == "hold" and "queued on decode" in result.prefill.reason
     assert result.decode.action == "up"
 
 
 def test_full_decode_kv_cache_grows_decode() -> None:
-    w = Window(ttft=0.5, itl=0.04, requests=40, tokens=400, decode_waiting=3, decode_kv_usage=0.95)
+    w = Window(
+        ttft=0.5, itl=0.04, requests=40, tokens=400, decode_waiting=3, decode_kv_usage=0.95, compared=1
+    )
     result = plan(spec(), w, {"prefill": 1, "decode": 2}, {"prefill": 1, "decode": 2}, History(), 0)
     assert result.decode.desired == 3 and "KV cache 95% full" in result.decode.reason
 
 
 def test_growth_is_capped_at_max_replicas_with_the_reason() -> None:
-    w = Window(ttft=50.0, itl=0.01, requests=100, tokens=900, prefill_waiting=40)
+    w = Window(ttft=50.0, itl=0.01, requests=100, tokens=900, prefill_waiting=40, compared=1)
     s = spec(prefill=ReplicaBounds(1, 3))
     result = plan(s, w, {"prefill": 2, "decode": 1}, {"prefill": 2, "decode": 1}, History(), 0)
     assert result.prefill.desired == 3 and "at maxReplicas 3" in result.prefill.reason
 
 
 def test_growth_at_most_doubles() -> None:
-    w = Window(ttft=50.0, itl=0.01, requests=100, tokens=900, prefill_waiting=40)
+    w = Window(ttft=50.0, itl=0.01, requests=100, tokens=900, prefill_waiting=40, compared=1)
     result = plan(spec(), w, {"prefill": 2, "decode": 1}, {"prefill": 2, "decode": 1}, History(), 0)
     assert result.prefill.desired == 4
 
 
 def test_ratio_max_grows_decode_with_prefill() -> None:
-    w = Window(ttft=3.0, itl=0.03, requests=100, tokens=900, prefill_waiting=10)
+    w = Window(ttft=3.0, itl=0.03, requests=100, tokens=900, prefill_waiting=10, compared=1)
     s = spec(ratio=RatioBounds(min=None, max=1.0))
     result = plan(s, w, {"prefill": 2, "decode": 2}, {"prefill": 2, "decode": 2}, History(), 0)
     assert result.prefill.desired == 4 and result.decode.desired == 4
@@ -130,14 +140,14 @@ def test_ratio_max_grows_decode_with_prefill() -> None:
 
 
 def test_ratio_min_grows_prefill_with_decode() -> None:
-    w = Window(ttft=0.5, itl=0.2, requests=100, tokens=900)
+    w = Window(ttft=0.5, itl=0.2, requests=100, tokens=900, compared=1)
     s = spec(ratio=RatioBounds(min=0.5, max=None))
     result = plan(s, w, {"prefill": 1, "decode": 2}, {"prefill": 1, "decode": 2}, History(), 0)
     assert result.decode.desired == 4 and result.prefill.desired == 2
 
 
 def test_stabilisation_window_holds_after_a_recent_peak() -> None:
-    quiet = Window(ttft=0.1, itl=0.005, requests=30, tokens=300)
+    quiet = Window(ttft=0.1, itl=0.005, requests=30, tokens=300, compared=1)
     peak = History(started=0.0, recent=(Recommendation(100.0, 0, 0),))  # held at 100 s
     s = spec(scale_down_stabilization_seconds=60)
     held = plan(s, quiet, {"prefill": 4, "decode": 1}, {"prefill": 4, "decode": 1}, peak, 150.0)
@@ -157,6 +167,7 @@ windows = st.builds(
     prefill_running=st.floats(0, 100),
     decode_running=st.floats(0, 100),
     decode_kv_usage=st.floats(0, 1),
+    compared=st.integers(0, 3),
 )
 
 

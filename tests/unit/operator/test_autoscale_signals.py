@@ -39,7 +39,7 @@ def test_first_scrape_sets_the_baseline_only() -> None:
     d.waiting.set(4)
     w = window({}, scrape(d0=d), "p90")
     assert w.ttft is None and w.requests == 0
-    assert w.decode_waiting == 4 and w.decode_sources == 1
+    assert w.decode_waiting == 4 and w.decode_sources == 1 and w.compared == 0
 
 
 def test_percentile_over_the_window_is_what_the_engines_observed() -> None:
@@ -52,7 +52,7 @@ def test_percentile_over_the_window_is_what_the_engines_observed() -> None:
     for _ in range(30):
         d.itl.observe(0.06)  # (0.05, 0.075]
     w = window(before, scrape(d0=d), "p90")
-    assert w.requests == 20 and w.tokens == 30
+    assert w.requests == 20 and w.tokens == 30 and w.compared == 1
     assert w.ttft is not None and 2.5 < w.ttft <= 5.0  # the earlier fast ones do not count
     assert w.itl is not None and 0.05 < w.itl <= 0.075
     p50 = window(before, scrape(d0=d), "p50")
