@@ -130,8 +130,10 @@ class ProducerCore:
     def __init__(self, *, total_heads: int, rank: int, tp_size: int, limits: Limits = Limits()) -> None:
         self.total_heads, self.rank, self.tp_size, self.limits = total_heads, rank, tp_size, limits
         self.finished: dict[Key, _Finished] = {}
-        # (key, consumer rank) -> (registration, arrived, consumer's deadline)
-        self.parked: OrderedDict[tuple[Key, int], tuple[Registration, float, float]] = OrderedDict()
+        # (key, consumer engine, consumer rank) -> (registration, arrived, consumer's deadline). The
+        # engine is part of the slot: another engine registering the same key first (a replayed or
+        # misrouted request) must not take the slot of the one the prefill names.
+        self.parked: OrderedDict[tuple[Key, str, int], tuple[Registration, float, float]] = OrderedDict()
         self.latest: OrderedDict[str, int] = OrderedDict()  # request_id -> newest attempt seen
         self.ended: OrderedDict[Key, str] = OrderedDict()  # recently released keys -> reason
 
@@ -153,9 +155,9 @@ class ProducerCore:
                                  f"{self.ended[key]}"), Release(key, self.ended[key])]  # fmt: skip
         self.finished[key] = _Finished(block_ids, num_tokens, consumer_engine, now, now + self.limits.lease_s)
         out += self._evict_if_full_finished(now)
-        for (k, rank), (reg, _, deadline) in list(self.parked.items()):
-            if k == key:
-                del self.parked[(k, rank)]
+        for slot, (reg, _, deadline) in list(self.parked.items()):
+            if slot[0] == key:
+                del self.parked[slot]
                 # The eviction above may have dropped this very entry (every older one has a WRITE
                 # in flight): its waiting consumers are told, as for any evicted entry.
                 if key not in self.finished:
@@ -165,12 +167,13 @@ class ProducerCore:
         return out
 
     def prefill_aborted(self, key: Key, now: float) -> list[Action]:
-        """The prefill will never finish (aborted or failed): fail consumers that already registered."""
-        self._note_attempt(key)
-        out: list[Action] = [self._end(key, "prefill_aborted")]
-        for (k, rank), (reg, _, _) in list(self.parked.items()):
-            if k == key:
-                del self.parked[(k, rank)]
+        """The prefill will never finish (aborted or failed): fail consumers that already registered.
+        Like any newer attempt, it releases what older attempts of the request still hold."""
+        out = self._supersede_older(key, now)
+        out.append(self._end(key, "prefill_aborted"))
+        for slot, (reg, _, _) in list(self.parked.items()):
+            if slot[0] == key:
+                del self.parked[slot]
                 out.append(SendFailure(reg, "prefill_aborted"))
         return out
 
@@ -207,12 +210,12 @@ class ProducerCore:
                           SendFailure(reg, "deadline")]  # fmt: skip
         if key in self.finished:
             return out + self._accept(key, reg, now, deadline)
-        slot = (key, reg.consumer_rank)
+        slot = (key, reg.consumer_engine, reg.consumer_rank)
         if slot in self.parked:
             return out + [Reject("duplicate", f"second registration for {key} rank {reg.consumer_rank}")]
         self.parked[slot] = (reg, now, deadline)
         while len(self.parked) > self.limits.max_entries:
-            ((old_key, _), (old, _, _)) = self.parked.popitem(last=False)
+            ((old_key, _, _), (old, _, _)) = self.parked.popitem(last=False)
             # The key ends, as on a Cancel: a copy of `old` arriving later gets this Failure again,
             # not a WRITE into blocks its consumer freed on this one (and the prefill is freed at once).
             self._mark_ended(old_key, "producer_overloaded")
@@ -224,10 +227,9 @@ class ProducerCore:
 
     def cancel(self, key: Key, consumer_engine: str, consumer_rank: int, now: float) -> list[Action]:
         """The consumer gave up: drop what is not yet written; in-flight writes finish first."""
-        parked = self.parked.get((key, consumer_rank))
         # Only the engine that registered may cancel (as for held blocks below): another engine's
-        # Cancel must not fail a registration it does not own.
-        if parked is not None and parked[0].consumer_engine == consumer_engine:
+        # Cancel must not fail a registration it does not own (its slot is its own).
+        if (key, consumer_engine, consumer_rank) in self.parked:
             # The consumer's request failed as a whole: other ranks' registrations and the prefill's
             # blocks need not wait for their TTL and lease.
             out: list[Action] = []
@@ -365,9 +367,10 @@ class ProducerCore:
                 continue
             out += [SendFailure(r, "superseded") for n, r in entry.regs.items() if n not in entry.done]
             out.append(self._end(old, "superseded"))
-        for (old, rank), (reg, _, _) in list(self.parked.items()):
+        for slot, (reg, _, _) in list(self.parked.items()):
+            old = slot[0]
             if old[0] == key[0] and old[1] < key[1]:
-                del self.parked[(old, rank)]
+                del self.parked[slot]
                 out.append(SendFailure(reg, "superseded"))
         return out
 

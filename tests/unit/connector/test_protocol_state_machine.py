@@ -444,7 +444,7 @@ class Transfers(RuleBasedStateMachine):
                 "ended": len(p.ended),
             }
             assert max(sizes.values()) <= n, sizes
-            assert not {k for k, _ in p.parked} & set(p.finished), "a registration parked for a held key"
+            assert not {s[0] for s in p.parked} & set(p.finished), "a registration parked for a held key"
         for r, p in enumerate(self.producers):  # held by the model <=> held by the core
             held = {k for (g, pr, k), s in self.held.items() if (g, pr, s) == (self.pgen, r, "held")}
             assert held == set(p.finished), (held, set(p.finished))
@@ -616,3 +616,23 @@ def test_early_notices_keep_one_per_sender():
         assert [a.reason for a in c.notice(Done(*KEY, P_ENGINE, 0), now=0.1)] == ["duplicate"]
     assert len(c.early[KEY]) == 1
     assert c.expect(KEY, P_ENGINE, 1, deadline_s=5.0, now=0.2)[-1] == Received(KEY, 0.0)
+
+
+def test_an_aborted_newer_attempt_releases_what_older_attempts_hold():
+    # was: prefill_aborted only noted the attempt; attempt 0's held blocks waited for their lease
+    p = producer()
+    p.prefill_finished(KEY, [[1]], TOKENS, D_ENGINE, now=0.0)
+    out = p.prefill_aborted(("r", 1), now=0.2)
+    assert Release(KEY, "superseded") in out and KEY not in p.finished
+    assert Release(("r", 1), "prefill_aborted") in out
+
+
+def test_another_engine_registering_the_key_first_does_not_take_the_named_engines_slot():
+    # was: parked slots were (key, rank): the named decode's registration was refused as a duplicate
+    # and its request waited for its deadline; the other engine's was rejected at the prefill's end
+    p = producer()
+    assert p.registration(registration(engine="decode-other"), now=0.0) == []
+    assert p.registration(registration(), now=0.1) == []  # parked too, in its own slot
+    out = p.prefill_finished(KEY, [[1]], TOKENS, D_ENGINE, now=0.2)
+    assert [type(a) for a in out] == [Reject, StartWrite] and out[0].reason == "unexpected_engine"
+    assert out[1].reg.consumer_engine == D_ENGINE
