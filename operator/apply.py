@@ -182,7 +182,10 @@ class Kube:
             resp.read()
         except Exception as exc:  # urllib3 transport errors: report, kopf retries
             raise KubeError(0, f"{method} {url}: {exc}") from exc
-        data = json.loads(resp.data) if resp.data else {}
+        try:
+            data = json.loads(resp.data) if resp.data else {}
+        except ValueError:  # not JSON: the API server's plain "404 page not found" of an unserved path
+            data = {"message": resp.data[:200].decode("utf-8", errors="replace").strip()}
         if self.on_request is not None:
             self.on_request(method, kind, resp.status)
         if resp.status == 403:
