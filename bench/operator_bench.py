@@ -1,15 +1,25 @@
-"""Operator benchmark: kubectl apply -> all objects present -> Ready under kwok, for 1 and for N CRs;
-operator memory after N CRs; Kubernetes API requests per reconcile (from the operator's own metrics).
+"""Operator benchmark: N CRs applied at once under kwok, the design before issue 19 and the current one
+side by side in one run (each on a fresh control plane, same N, same nodes):
 
-Runs a private control plane (real apiserver/etcd/KCM/scheduler, kwok nodes) and `kvferry operator` as a
-subprocess; prints figures, asserts nothing about time. Everything started here is stopped by PID.
+- time from the first CR's creation (8 concurrent clients) to all objects present, and to all CRs Ready;
+- full reconciles per CR (create/update/resume/resync/drift), API requests per full reconcile and per CR;
+- the operator's peak memory (VmHWM);
+- status lag: seconds from a transfer-metrics change of one CR (a local metrics server stands in for its
+  engines, or for its router) to that CR's status showing it.
 
-    python bench/operator_bench.py [--crs 200] [--cpu-nodes 7]
+"before" is the same code with KVFERRY_LEGACY_RECONCILE=true (every object applied on every reconcile,
+one status patch per workload event, a render per owned event) and KVFERRY_TRANSFER_SOURCE=pods;
+"after" is the default. Runs a private control plane (real apiserver/etcd/KCM/scheduler, kwok nodes) and
+`kvferry operator` as a subprocess; prints figures, asserts nothing about time. Everything started here
+is stopped by PID.
+
+    python bench/operator_bench.py [--crs 1000] [--designs before,after] [--timeout 900]
 """
 
 from __future__ import annotations
 
 import argparse
+import http.server
 import json
 import os
 import shutil
@@ -17,11 +27,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-import yaml
 from kubernetes import client
 from kvferry.local.controlplane import ControlPlane
 from kvferry.local.controlplane.processes import reserve_ports
@@ -32,7 +44,16 @@ from kvferry.operator.spec import GROUP, PLURAL, VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 NS = "bench"
-POLL_S = 0.1
+POLL_S = 0.5
+PODS_PER_CR = 3
+FULL = ("create", "update", "resume", "resync", "drift")
+DESIGNS = {
+    "before": {"KVFERRY_LEGACY_RECONCILE": "true", "KVFERRY_TRANSFER_SOURCE": "pods"},
+    "after": {},
+}
+METRICS_INTERVAL_S = 30.0  # both designs (the default); the lag figure includes up to one interval
+LAG_CR = "b-0000"
+CREATE_CLIENTS = 8
 
 
 def cr(name: str) -> dict:
@@ -43,6 +64,40 @@ def cr(name: str) -> dict:
         "metadata": {"name": name, "namespace": NS},
         "spec": {"model": "/models/tiny", "accelerator": "none", "image": "bench:1"},
     }
+
+
+class Engines:
+    """Stands in for every CR's engines and routers on loopback: prefill pods of CR `c` report
+    `transfers[c]` transfers; /pool/<router pod> answers as a router does (router/poolstatus.py)."""
+
+    def __init__(self) -> None:
+        self.transfers: dict[str, int] = {}
+        engines = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                pod = self.path.rsplit("/", 1)[-1]
+                cr_name = pod.split("-prefill-")[0].split("-decode-")[0].split("-router-")[0]
+                text = f'kvferry_transfers_total{{backend="UCX"}} {engines.transfers.get(cr_name, 0)}\n'
+                if self.path.startswith("/pool/"):
+                    body = json.dumps({"prefill": [text], "decode": [""], "unreachable": {}}).encode()
+                else:
+                    body = (text if "-prefill-" in pod else "").encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def count_objects(api: client.ApiClient) -> int:
@@ -56,10 +111,13 @@ def count_objects(api: client.ApiClient) -> int:
     return total
 
 
+def list_crs(custom: client.CustomObjectsApi) -> list[dict]:
+    return custom.list_namespaced_custom_object(GROUP, VERSION, NS, PLURAL)["items"]
+
+
 def count_ready(custom: client.CustomObjectsApi) -> int:
-    items = custom.list_namespaced_custom_object(GROUP, VERSION, NS, PLURAL)["items"]
     ready = 0
-    for item in items:
+    for item in list_crs(custom):
         st = item.get("status", {})
         cond = next((c for c in st.get("conditions", []) if c["type"] == "Ready"), {})
         ready += (
@@ -68,17 +126,19 @@ def count_ready(custom: client.CustomObjectsApi) -> int:
     return ready
 
 
-def wait(pred, what: str, timeout_s: float) -> float:
+def wait(pred, what: str, timeout_s: float) -> float | None:
+    """Seconds until `pred()`; None if it did not happen within timeout_s."""
     t0 = time.monotonic()
     while not pred():
         if time.monotonic() - t0 > timeout_s:
-            raise TimeoutError(f"{what} not reached within {timeout_s:.0f} s")
+            print(f"  {what}: not reached within {timeout_s:.0f} s", flush=True)
+            return None
         time.sleep(POLL_S)
     return time.monotonic() - t0
 
 
 def operator_metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("kvferry_operator_") and not line.startswith("#"):
@@ -97,102 +157,102 @@ def requests_and_reconciles(metrics: dict[str, float]) -> tuple[float, dict[str,
     return requests, reconciles
 
 
-def rss_mib(pid: int) -> float:
+def peak_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
 
-def apply(plane: ControlPlane, objs: list[dict]) -> None:
-    plane.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objs), timeout_s=1200)
+def start_operator(
+    plane: ControlPlane, design: str, engines: Engines, port: int, log: Path
+) -> subprocess.Popen:
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("KVFERRY_")},
+        "KVFERRY_METRICS_PORT": str(port),
+        "KVFERRY_METRICS_HOST": "127.0.0.1",
+        "KVFERRY_METRICS_INTERVAL": str(METRICS_INTERVAL_S),
+        # The figures are about one wave of creations; the periodic resync (300 s) would add a full
+        # reconcile of every CR in the middle of the slower design's run.
+        "KVFERRY_RESYNC_INTERVAL": "3600",
+        # kwok pods serve nothing and their IPs are not ours to reach: both designs read loopback.
+        "KVFERRY_METRICS_URL": f"http://127.0.0.1:{engines.port}/engine/{{pod}}",
+        "KVFERRY_POOL_METRICS_URL": f"http://127.0.0.1:{engines.port}/pool/{{pod}}",
+        **DESIGNS[design],
+    }
+    argv = [shutil.which("kvferry") or "kvferry", "operator", "--standalone", "-n", NS]
+    argv += ["--kubeconfig", str(plane.kubeconfig)]
+    return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 
 
-def run(n: int, cpu_nodes: int, workdir: Path) -> None:
+def create_all(custom: client.CustomObjectsApi, crs: list[dict]) -> None:
+    """Create the CRs from CREATE_CLIENTS concurrent clients, as a GitOps sync would (kubectl apply of
+    1,000 documents sends them one by one, which would measure kubectl, not the operator)."""
+    with ThreadPoolExecutor(CREATE_CLIENTS) as pool:
+        list(
+            pool.map(
+                lambda body: custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, body), crs
+            )
+        )
+
+
+def transfers_shown(custom: client.CustomObjectsApi, name: str) -> int:
+    item = custom.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name)
+    return int(((item.get("status") or {}).get("transfer") or {}).get("transfers") or 0)
+
+
+def run_design(design: str, n: int, cpu_nodes: int, timeout_s: float, workdir: Path) -> dict[str, Any]:
+    print(f"[{design}] starting a control plane with {cpu_nodes} kwok nodes", flush=True)
     plane = ControlPlane({"cpu": cpu_nodes})
+    engines = Engines()
     operator: subprocess.Popen | None = None
+    out: dict[str, Any] = {"design": design, "crs": n}
     try:
-        plane.start(workdir / "plane")
+        plane.start(workdir / design / "plane")
         plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds/disaggregatedinferences.yaml"))
         plane.kubectl("wait", "--for=condition=Established", f"crd/{PLURAL}.{GROUP}", "--timeout=60s")
         plane.kubectl("create", "namespace", NS)
         (port,) = reserve_ports(1)
-        log = (workdir / "operator.log").open("wb")
-        env = {
-            **os.environ,
-            "KVFERRY_METRICS_PORT": str(port),
-            "KVFERRY_METRICS_HOST": "127.0.0.1",
-            # kwok pods serve nothing and their IPs are not ours to reach: scrape a closed loopback port
-            # (the timer's cost stays in the figures; no traffic leaves the host).
-            "KVFERRY_METRICS_URL": "http://127.0.0.1:9/{pod}",
-        }
-        operator = subprocess.Popen(
-            [
-                shutil.which("kvferry") or "kvferry",
-                "operator",
-                "--standalone",
-                "-n",
-                NS,
-                "--kubeconfig",
-                str(plane.kubeconfig),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        wait(lambda: _up(port), "operator metrics endpoint", 60)
-        rss_idle = rss_mib(operator.pid)
+        operator = start_operator(plane, design, engines, port, workdir / f"operator-{design}.log")
+        if wait(lambda: _up(port), "operator metrics endpoint", 60) is None:
+            raise RuntimeError(f"operator did not start; log: {workdir / f'operator-{design}.log'}")
         with plane.admin_client() as api:
             custom = client.CustomObjectsApi(api)
-            print(f"operator RSS idle: {rss_idle:.0f} MiB")
-            for label, crs in (("1 CR", [cr("one")]), (f"{n} CRs", [cr(f"b-{i:03d}") for i in range(n)])):
-                before_objects = count_objects(api)
-                before_ready = count_ready(custom)
-                req0, rec0 = requests_and_reconciles(operator_metrics(port))
-                t0 = time.monotonic()
-                apply(plane, crs)
-                t_apply = time.monotonic() - t0
-                want_objects = before_objects + len(render(cr("x")).objects) * len(crs)
-                wait(lambda w=want_objects: count_objects(api) >= w, "objects", 900)
-                t_objects = time.monotonic() - t0
-                want_ready = before_ready + len(crs)
-                wait(lambda w=want_ready: count_ready(custom) >= w, "Ready", 1800)
-                t_ready = time.monotonic() - t0  # every figure counts from the start of kubectl apply
-                time.sleep(2)  # let trailing status events settle before counting
-                req1, rec1 = requests_and_reconciles(operator_metrics(port))
-                full = sum(
-                    rec1.get(k, 0) - rec0.get(k, 0) for k in ("create", "update", "resume", "resync", "drift")
-                )
-                owned = rec1.get("owned", 0) - rec0.get("owned", 0)
-                print(
-                    f"[{label}] kubectl apply returned after {t_apply:.2f} s; all objects present after "
-                    f"{t_objects:.2f} s; all Ready after {t_ready:.2f} s"
-                )
-                print(
-                    f"[{label}] API requests by the operator: {req1 - req0:.0f}; full reconciles: {full:.0f} "
-                    f"({(req1 - req0) / max(full, 1):.1f} req per full reconcile, refreshes included); "
-                    f"owned-object events handled: {owned:.0f}"
-                )
-            print(
-                f"operator RSS after {n + 1} CRs: {rss_mib(operator.pid):.0f} MiB (idle {rss_idle:.0f} MiB)"
-            )
-            m = operator_metrics(port)
-            by_kind: dict[str, float] = {}
-            for key, value in m.items():
-                if key.startswith("kvferry_operator_api_requests_total"):
-                    verb = key.split('verb="')[1].split('"')[0]
-                    kind = key.split('kind="')[1].split('"')[0]
-                    by_kind[f"{verb} {kind}"] = by_kind.get(f"{verb} {kind}", 0) + value
-            print("API requests by verb and kind:", json.dumps(dict(sorted(by_kind.items())), indent=None))
+            req0, rec0 = requests_and_reconciles(operator_metrics(port))
+            crs = [cr(f"b-{i:04d}") for i in range(n)]
+            t0 = time.monotonic()
+            create_all(custom, crs)
+            out["apply_s"] = time.monotonic() - t0
+            want = len(render(cr("x")).objects) * n
+            left = lambda: max(timeout_s - (time.monotonic() - t0), 1)  # noqa: E731
+            got = wait(lambda: count_objects(api) >= want, "all objects", left())
+            out["objects_s"] = None if got is None else time.monotonic() - t0
+            got = wait(lambda: count_ready(custom) >= n, "all Ready", left())
+            out["ready_s"] = None if got is None else time.monotonic() - t0
+            out["ready_count"] = count_ready(custom)
+            time.sleep(5)  # let trailing status events settle before counting
+            req1, rec1 = requests_and_reconciles(operator_metrics(port))
+            full = sum(rec1.get(k, 0) - rec0.get(k, 0) for k in FULL)
+            out["requests"] = req1 - req0
+            out["full_reconciles"] = full
+            out["by_trigger"] = {k: rec1.get(k, 0) - rec0.get(k, 0) for k in rec1}
+            # Status lag: one CR's transfers move; how long until its status shows them.
+            engines.transfers[LAG_CR] = 4242
+            t1 = time.monotonic()
+            lag = wait(lambda: transfers_shown(custom, LAG_CR) == 4242, "status lag", 120)
+            out["lag_s"] = None if lag is None else time.monotonic() - t1
+            out["peak_rss_mib"] = peak_rss_mib(operator.pid)
     finally:
         if operator is not None and operator.poll() is None:
             operator.send_signal(signal.SIGTERM)
             try:
-                operator.wait(20)
+                operator.wait(30)
             except subprocess.TimeoutExpired:
                 operator.kill()
                 operator.wait(10)
+        engines.close()
         plane.stop()
+    return out
 
 
 def _up(port: int) -> bool:
@@ -203,19 +263,63 @@ def _up(port: int) -> bool:
         return False
 
 
+def _fmt(value: Any, unit: str = "", digits: int = 1) -> str:
+    if value is None:
+        return "not reached"
+    return f"{value:.{digits}f}{unit}" if isinstance(value, float) else f"{value}{unit}"
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = [
+        ("all CRs created (8 clients)", lambda r: _fmt(r["apply_s"], " s")),
+        ("all objects present (from the first create)", lambda r: _fmt(r["objects_s"], " s")),
+        (
+            "all CRs Ready (from the first create)",
+            lambda r: _fmt(r["ready_s"], " s") + f" ({r['ready_count']}/{r['crs']})",
+        ),
+        ("full reconciles per CR", lambda r: _fmt(r["full_reconciles"] / r["crs"], "", 2)),
+        ("API requests per full reconcile", lambda r: _fmt(r["requests"] / max(r["full_reconciles"], 1))),
+        ("API requests per CR", lambda r: _fmt(r["requests"] / r["crs"])),
+        ("operator peak memory", lambda r: _fmt(r["peak_rss_mib"], " MiB", 0)),
+        ("status lag after a metrics change", lambda r: _fmt(r["lag_s"], " s")),
+        (
+            "reconciles by trigger",
+            lambda r: ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["by_trigger"].items())),
+        ),
+    ]
+    head = "| figure | " + " | ".join(r["design"] for r in results) + " |"
+    lines = [head, "|---" * (len(results) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(cell(r) for r in results) + " |" for name, cell in rows]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--crs", type=int, default=200, help="CRs in the bulk phase")
-    p.add_argument("--cpu-nodes", type=int, default=7, help="kwok cpu nodes (110 pods each; 3 pods per CR)")
+    p.add_argument("--crs", type=int, default=1000, help="CRs applied at once")
+    p.add_argument("--cpu-nodes", type=int, default=0, help="kwok cpu nodes (110 pods each); 0 = enough")
+    p.add_argument("--designs", default="before,after", help="comma-separated: before, after")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per design from apply to all Ready")
+    p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
-    if args.crs * 3 + 3 > args.cpu_nodes * 110:
-        p.error(
-            f"{args.crs} CRs need {args.crs * 3 + 3} pods; {args.cpu_nodes} nodes hold {args.cpu_nodes * 110}"
-        )
+    designs = [d.strip() for d in args.designs.split(",") if d.strip()]
+    if unknown := [d for d in designs if d not in DESIGNS]:
+        p.error(f"unknown design(s) {unknown}; known: {sorted(DESIGNS)}")
+    nodes = args.cpu_nodes or -(-(args.crs * PODS_PER_CR + 10) // 110)
+    if args.crs * PODS_PER_CR > nodes * 110:
+        p.error(f"{args.crs} CRs need {args.crs * PODS_PER_CR} pods; {nodes} nodes hold {nodes * 110}")
     # SIGTERM unwinds like Ctrl-C, so the operator and the control plane are stopped (by PID) too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    results = []
     with tempfile.TemporaryDirectory(prefix="kvferry-opbench-") as tmp:
-        run(args.crs, args.cpu_nodes, Path(tmp))
+        for design in designs:
+            results.append(run_design(design, args.crs, nodes, args.timeout, Path(tmp)))
+            print(table(results), flush=True)
+    print(
+        f"\n{args.crs} CRs applied at once, {nodes} kwok nodes, metrics interval {METRICS_INTERVAL_S:.0f} s"
+    )
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
     return 0
 
 

@@ -117,8 +117,8 @@ class OperatorConfig:
     resync_interval: Seconds = setting(
         300.0,
         "KVFERRY_RESYNC_INTERVAL",
-        "Seconds between full reconciles of each CR (catches drift of kinds "
-        "that are not watched: PDBs, RBAC).",
+        "Seconds between full reconciles of each CR (catches edits of kinds "
+        "without an event handler: PDBs, RBAC).",
     )
     liveness: str = setting(
         "", "KVFERRY_LIVENESS", "host:port for the /healthz liveness endpoint; empty = none."

@@ -28,9 +28,10 @@ log = logging.getLogger("kvferry.operator")
 Event = tuple[str, EventReason, str]  # (Normal|Warning, reason, message)
 # (kind, name) -> the watch's copy of that object of this CR, or None (not seen, or not watched).
 Stored = Callable[[str, str], dict[str, Any] | None]
-# Triggers that apply every object whatever the watch holds: the resync exists to catch what a watch
-# cannot (an edit the watch missed), a drift correction re-applies what was edited.
-APPLY_ALL = ("resync", "drift")
+# Triggers that apply every object whatever the watch holds: a drift correction re-applies what was
+# edited. (The resync compares with the watch's copies: every rendered kind is watched, so an edit of
+# a kind without an event handler, a PDB or a Role, shows in its copy and is re-applied then.)
+APPLY_ALL = ("drift",)
 
 
 def nothing_stored(_kind: str, _name: str) -> dict[str, Any] | None:

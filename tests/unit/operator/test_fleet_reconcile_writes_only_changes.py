@@ -90,7 +90,7 @@ def test_first_reconcile_creates_each_object_in_one_request_then_nothing_is_rewr
     assert kube.cr["status"]["prefill"]["readyReplicas"] == 1  # status read from the watched copies
 
 
-def test_only_the_object_that_differs_is_applied_and_resync_applies_everything() -> None:
+def test_only_the_object_that_differs_is_applied_and_drift_applies_everything() -> None:
     kube = CountingKube(_cr())
     _reconcile(kube, "create")
     kube.applies.clear()
@@ -99,8 +99,13 @@ def test_only_the_object_that_differs_is_applied_and_resync_applies_everything()
     _reconcile(kube, "update")
     assert [(k, n, a) for k, n, a in kube.applies] == [(*cm, False)]  # differs: read + conditional apply
     kube.applies.clear()
+    pdb = ("PodDisruptionBudget", "x-decode")  # a kind with no event handler: the resync catches it
+    kube.objects[pdb]["spec"]["maxUnavailable"] = 7
     _reconcile(kube, "resync")
-    assert len(kube.applies) == len(render(kube.cr).objects)  # the resync trusts no watch
+    assert [(k, n) for k, n, _ in kube.applies] == [pdb]
+    kube.applies.clear()
+    _reconcile(kube, "drift")
+    assert len(kube.applies) == len(render(kube.cr).objects)  # a drift correction trusts no copy
 
 
 def test_a_watched_copy_the_cr_does_not_control_is_never_skipped_nor_taken_over() -> None:
