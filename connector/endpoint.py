@@ -2,14 +2,11 @@
 
 Callers (vLLM's worker main thread, the demo, tests) only enqueue commands and take results, both
 non-blocking. The thread: drains commands, reads notifications, checks write handles, ticks the
-cores, and carries out their actions. It waits on an event between rounds with a bounded backoff
-(`poll_min_s` right after activity and while a WRITE is in flight, up to ~8x that while receives are
-pending, `poll_max_s` while anything else is), and with nothing pending at all it sleeps
-`idle_tick_s` (housekeeping only): nothing that can arrive then needs an answer before a command
-wakes the thread (a registration waits for its prefill to finish, a notice for its expectation), so
-an engine with no transfers shares its core with no one (bench/connector_idle_cost.py). While
-requests are pending, the vLLM glue also `kick()`s a round at every engine step: without a UCX
-progress thread a WRITE and its notification advance only when an agent is polled.
+cores, and carries out their actions. It waits on an event between rounds for as long as what is
+pending allows (pacing.py: from 0.2 ms while a WRITE is in flight to `idle_tick_s` with nothing
+pending, so an engine with no transfers shares its core with no one). While requests are pending,
+the vLLM glue also `kick()`s a round at every engine step: without a UCX progress thread a WRITE and
+its notification advance only when an agent is polled.
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from kvferry.connector.config import KvferryConfig
 from kvferry.connector.intake import admit
 from kvferry.connector.layout import KVLayout, refusal
 from kvferry.connector.metrics import Metrics
+from kvferry.connector.pacing import Load, Usage, next_wait
 from kvferry.connector.peers import Peers
 from kvferry.connector.preflight import backend_checks, efa_checks
 from kvferry.connector.preflight import record as record_checks
@@ -49,7 +47,6 @@ from kvferry.contracts.metrics import LAYOUT_MISMATCH
 log = logging.getLogger(__name__)
 Key = P.Key
 PRUNE_EVERY_S = 5.0
-USAGE_EVERY_S = 1.0  # how often the thread's wake-ups and CPU time go to the metrics journal
 CONTACT_WINDOW_S = 5.0  # after a peer fetched our metadata, poll while it connects (UCX wire-up)
 
 
@@ -227,16 +224,11 @@ class Endpoint:
             self._teardown()
 
     def _serve(self, interval: float) -> None:
-        rounds, since, cpu = 0, time.monotonic(), time.thread_time()
+        usage = Usage(self.metrics, self.role)
         while not self._stop.is_set():
             active = self._round()
-            rounds += 1
-            if time.monotonic() - since >= USAGE_EVERY_S:  # batched: each record ships at the next step
-                now_cpu = time.thread_time()
-                self.metrics.record("endpoint_rounds", rounds, self.role)
-                self.metrics.record("endpoint_cpu", now_cpu - cpu, self.role)
-                rounds, since, cpu = 0, time.monotonic(), now_cpu
-            interval = self._next_wait(active, interval)
+            usage.round()
+            interval = next_wait(self.cfg, self._load(active), interval)
             self._wake.wait(interval)
             self._wake.clear()
 
@@ -273,19 +265,15 @@ class Endpoint:
         self._contact_until = time.monotonic() + CONTACT_WINDOW_S
         self._wake.set()
 
-    def _next_wait(self, active: bool, interval: float) -> float:
-        """How long to sleep before the next round; commands and kicks wake the thread sooner."""
-        if active or self.writes:  # a WRITE in flight is short and on the critical path: full rate
-            return self.cfg.poll_min_s
+    def _load(self, active: bool) -> Load:
         core = self.producer or self.consumer
-        connecting = time.monotonic() < self._contact_until
-        if not (connecting or self.peers.fetching or any(core.pending().values())):
-            return self.cfg.idle_tick_s  # nothing pending: only housekeeping (expiry, pruning) is due
-        cap = min(self.cfg.poll_min_s * 8, self.cfg.poll_max_s) if self._busy() else self.cfg.poll_max_s
-        return min(interval * 2, cap)
-
-    def _busy(self) -> bool:
-        return bool(self.writes or self.peers.fetching or (self.consumer and self.consumer.expected))
+        return Load(
+            active=active,
+            writing=bool(self.writes),
+            receiving=bool(self.peers.fetching or (self.consumer and self.consumer.expected)),
+            pending=any(core.pending().values()),
+            connecting=time.monotonic() < self._contact_until,
+        )
 
     def _round(self) -> bool:
         now = time.monotonic()
