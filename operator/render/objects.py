@@ -46,6 +46,11 @@ _env = jinja2.Environment(
 _env.filters["json"] = lambda value: json.dumps(value, sort_keys=False)
 
 
+# libyaml's safe loader when PyYAML has it: the pure-Python one was ~95 % of render time (issue 19:
+# 1,000 CRs render once each on a busy operator). Same safe constructors, same documents.
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 @dataclass(frozen=True)
 class Rendered:
     """What one render produces: the objects plus values status and events need."""
@@ -317,7 +322,7 @@ def render(
     for template in TEMPLATES:
         for role_ctx in roles if template in ROLE_TEMPLATES else [None]:
             text = _env.get_template(template).render(context, r=role_ctx)
-            docs = [doc for doc in yaml.safe_load_all(text) if doc]
+            docs = [doc for doc in yaml.load_all(text, Loader=YAML_LOADER) if doc]
             if role_ctx and role_ctx["nodes"] > 1 and template == "statefulset.yaml.j2":
                 docs = [leader_worker_set(sts, role_ctx["nodes"]) for sts in docs]
             objects += docs
