@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # httpx logs every request at INFO: one line per CR per metrics tick, noise at fleet scale.
+    logging.getLogger("httpx").setLevel(logging.DEBUG if verbose else logging.WARNING)
     registry = kopf.OperatorRegistry()
     handlers.register(registry, cfg)
     settings = kopf.OperatorSettings()
