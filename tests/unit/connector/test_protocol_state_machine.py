@@ -113,7 +113,8 @@ class Transfers(RuleBasedStateMachine):
         self.forgotten: set[tuple] = set()  # (pgen, prank, key): evicted from that core's memory
         self.superseded: set[tuple] = set()  # (pgen, prank, key): answered "superseded"
         # model of the consumer engine
-        self.cparams: dict[tuple[str, int], tuple[float, int]] = {}  # key -> (deadline_s, tokens)
+        # key -> (deadline_s, tokens, first token: the consumer's own prefix-cache hit)
+        self.cparams: dict[tuple[str, int], tuple[float, int, int]] = {}
         self.recv: dict[tuple[int, tuple[str, int]], str] = {}  # (crank, key) -> waiting/ended/lost
         self.landed: dict[tuple[int, tuple[str, int]], set[int]] = {}  # Done delivered, by producer rank
         self.cancelled: set[tuple[str, int]] = set()  # keys a Cancel of the consumer reached a producer for
@@ -132,11 +133,12 @@ class Transfers(RuleBasedStateMachine):
         every_rank=st.booleans(),  # as vLLM does it (one step's metadata); else one rank, late
         deadline_s=st.sampled_from([1.0, 3.0, 10.0]),
         extra=st.sampled_from([0, 0, 0, 8]),  # 8: the consumer asks for more tokens than prefilled
+        held=st.sampled_from([0, 0, 16, 32]),  # tokens the consumer already holds (its prefix cache)
     )
-    def expect(self, key, rank, every_rank, deadline_s, extra):
+    def expect(self, key, rank, every_rank, deadline_s, extra, held):
         """The consumer engine schedules the receive of `key`'s KV."""
-        # every consumer rank is told the same (deadline, tokens); a key is never received twice
-        deadline_s, tokens = self.cparams.setdefault(key, (deadline_s, TOKENS + extra))
+        # every consumer rank is told the same (deadline, tokens, held); a key is never received twice
+        deadline_s, tokens, held = self.cparams.setdefault(key, (deadline_s, TOKENS + extra, held))
         for crank in range(self.ctp) if every_rank else [rank % self.ctp]:
             core = self.consumers[crank]
             if (crank, key) in self.recv:
@@ -166,11 +168,11 @@ class Transfers(RuleBasedStateMachine):
                 entry = core.expected.get(a.key)
                 if entry is None:  # settled by its buffered notices: the endpoint sends nothing
                     continue
-                _, tokens = self.cparams[a.key]
+                _, tokens, held = self.cparams[a.key]
                 for prank in a.producer_ranks:
                     reg = Registration(
                         a.key[0], a.key[1], D_ENGINE, crank, self.ctp, "d", 5600, f"c{self.cgen}",
-                        tokens, [[crank]], deadline_unix=entry.deadline,
+                        tokens, [[crank]], deadline_unix=entry.deadline, first_token=held,
                     )  # fmt: skip
                     self.net.append(Msg("P", prank, reg))
             elif isinstance(a, SendCancel):
@@ -242,6 +244,8 @@ class Transfers(RuleBasedStateMachine):
                     f"{a}: a WRITE from blocks not held ({self.held.get(slot)})"
                 )
                 assert self.now < a.deadline, f"{a}: started at {self.now}, after the consumer's deadline"
+                # exactly the tokens the consumer lacks, all of which the prefill holds
+                assert a.reg.first_token == self.cparams[a.key][2] < a.reg.num_tokens <= a.num_tokens, a
                 self.writes.append(
                     Write(prank, a.key, a.reg.consumer_rank, int(a.reg.incarnation[1:]), a.deadline)
                 )
