@@ -56,6 +56,7 @@ COMPONENTS = (
     Component("etcd", versions.ETCD, ("etcd",)),
     Component("kwok", versions.KWOK, ("kwok",)),
     Component("helm", versions.HELM, ("helm",)),
+    Component("lws", versions.LWS, ("lws-controller",)),
 )
 
 
@@ -76,6 +77,17 @@ def kwok_stages_path() -> Path:
     return share_dir() / f"kwok-stages-v{versions.KWOK}.yaml"
 
 
+def lws_manifests_dir() -> Path:
+    """LWS's CRD and webhook configurations, copied from its module (applied by lws.py)."""
+    return share_dir() / f"lws-v{versions.LWS}"
+
+
+LWS_MANIFESTS = {  # file written -> its path in the sigs.k8s.io/lws module
+    "crd.yaml": "config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml",
+    "webhooks.yaml": "config/webhook/manifests.yaml",
+}
+
+
 def binary(name: str) -> Path:
     return bin_dir() / name
 
@@ -88,6 +100,8 @@ def is_built(comp: Component) -> bool:
     if not _stamp(comp).is_file():
         return False
     if comp.name == "kwok" and not kwok_stages_path().is_file():
+        return False
+    if comp.name == "lws" and not all((lws_manifests_dir() / f).is_file() for f in LWS_MANIFESTS):
         return False
     return all(os.access(binary(b), os.X_OK) for b in comp.binaries)
 
@@ -222,6 +236,18 @@ def _build_kwok(go: str, log: Path) -> None:
     kwok_stages_path().write_text("\n---\n".join(docs) + "\n")
 
 
+def _build_lws(go: str, log: Path) -> None:
+    # Its own module: LWS pins an older client-go and controller-runtime than the Kubernetes build.
+    _build_single(go, log, "lws", "sigs.k8s.io/lws/cmd", versions.LWS, "lws-controller", "")
+    src = Path(
+        _module_info(go, cache_dir() / "gobuild" / "lws", log, f"sigs.k8s.io/lws@v{versions.LWS}")["Dir"]
+    )
+    out = lws_manifests_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    for name, path in LWS_MANIFESTS.items():
+        (out / name).write_text((src / path).read_text())
+
+
 def _build_helm(go: str, log: Path) -> None:
     # Version ldflags as helm's Makefile sets them, so `helm version` and .Capabilities are right.
     minor = versions.kube_minor()
@@ -238,7 +264,13 @@ def _build_helm(go: str, log: Path) -> None:
     _build_single(go, log, "helm", "helm.sh/helm/v3/cmd/helm", versions.HELM, "helm", ldflags)
 
 
-BUILDERS = {"kubernetes": _build_kubernetes, "etcd": _build_etcd, "kwok": _build_kwok, "helm": _build_helm}
+BUILDERS = {
+    "kubernetes": _build_kubernetes,
+    "etcd": _build_etcd,
+    "kwok": _build_kwok,
+    "helm": _build_helm,
+    "lws": _build_lws,
+}
 
 
 @contextmanager

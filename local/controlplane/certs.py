@@ -141,3 +141,14 @@ def generate(d: Path) -> PlaneCerts:
         )
     )
     return PlaneCerts(ca=ca, serving=serving, clients=clients, sa_key=sa_key, sa_pub=sa_pub)
+
+
+def issue_serving(ca: CertPair, d: Path, stem: str = "tls") -> CertPair:
+    """A 127.0.0.1 serving cert signed by the plane's CA, for a webhook server the API server calls
+    (`<stem>.crt`/`<stem>.key` in `d`: controller-runtime reads tls.crt and tls.key from its cert dir)."""
+    d.mkdir(parents=True, exist_ok=True)
+    ca_cert = x509.load_pem_x509_certificate(ca.cert.read_bytes())
+    ca_key = serialization.load_pem_private_key(ca.key.read_bytes(), password=None)
+    sans = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    cert, key = _issue(ca_cert, ca_key, _name("kvferry-local-webhook"), ExtendedKeyUsageOID.SERVER_AUTH, sans)
+    return _save(cert, key, d, stem)
