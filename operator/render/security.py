@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.operator import names
+from kvferry.operator.render import placement
 from kvferry.operator.render.presets import PodPlan
 from kvferry.operator.spec import Spec
 
@@ -117,10 +118,7 @@ def network_policy_context(
 ) -> dict[str, Any]:
     """Selectors and peers for templates/networkpolicy.yaml.j2 (rendered only when enabled)."""
     np = spec.network_policy
-    engines = {
-        "matchLabels": {names.LABEL_NAME: names.fit(cr_name)},
-        "matchExpressions": [{"key": names.LABEL_ROLE, "operator": "In", "values": list(names.ROLES)}],
-    }
+    engines = placement.engine_selector(cr_name)
     return {
         "enabled": np.enabled,
         "labels": names.common_labels(cr_name, "network-policy"),
