@@ -13,6 +13,7 @@ Handlers return None so kopf writes nothing into status; its progress lives in k
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from typing import Any
 
@@ -181,7 +182,9 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
                 return  # deleted meanwhile
             watched = watched_by(owned, cr)
             outcome = timed("owned", lambda: reconcile.refresh_status(memo.kube, cr, watched))
-            post(_ref(cr), outcome)
+            # kopf's event posting reads its settings from a context variable its own threads carry:
+            # post from a copy of a handler thread's context (one per run: a context is not shareable).
+            memo.views["context"].copy().run(post, _ref(cr), outcome)
 
         return refresh
 
@@ -252,7 +255,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         ) -> None:
             key = owner_key(body)
             cr = _first(inferences, key) if key else None
-            memo.views.update(inferences=inferences, owned=owned)
+            memo.views.update(inferences=inferences, owned=owned, context=contextvars.copy_context())
             change = memo.changes.note(body, event.get("type")) if not legacy else None
             if change is Change.NONE:
                 return  # nothing we render or show moved (our own apply, an annotation, the listing)
