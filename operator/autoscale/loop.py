@@ -144,8 +144,12 @@ class Autoscaler:
         result = plan(spec, w, current, ready, memory.history, time.monotonic() if now is None else now)
         memory.scrape, memory.history = scrape, result.history
         events = self._write(kube, cr, spec, result, sets)
-        last = (cr.get("status") or {}).get("autoscaling") or {}
-        write_status(kube, cr, lambda prev: {"autoscaling": status_of(spec, w, result, last, now_iso())})
+        stamp = now_iso()
+        write_status(
+            kube,
+            cr,
+            lambda prev: {"autoscaling": status_of(spec, w, result, prev.get("autoscaling") or {}, stamp)},
+        )
         return events
 
     def _write(
@@ -167,7 +171,10 @@ class Autoscaler:
                 rv = sets[d.role]["metadata"].get("resourceVersion", "")
                 writer.scale(kube, ns, name, d.role, d.desired, rv)
             except KubeError as exc:
-                events.append(("Warning", ScaleEvent.SCALE_FAILED, f"{what}: not written ({exc})"))
+                if exc.status == 409:  # the StatefulSet moved since it was read: plan again from it
+                    log.info("autoscale %s/%s: %s not written, changed since read", ns, name, d.role)
+                else:
+                    events.append(("Warning", ScaleEvent.SCALE_FAILED, f"{what}: not written ({exc})"))
                 continue
             log.info("autoscale %s/%s: %s", ns, name, what)
             events.append(("Normal", _reason(d), what))
