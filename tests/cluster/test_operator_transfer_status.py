@@ -16,8 +16,21 @@ def operator(start_operator, fake_metrics):
     return start_operator("--metrics-interval", "1", "--metrics-url", fake_metrics.url)
 
 
+def _prefix_cache(queries: int, hits: int) -> str:
+    """vLLM's prefix-cache counters (prompt tokens looked up, found), as an engine exports them."""
+    return (
+        "# TYPE vllm:prefix_cache_queries counter\n"
+        f'vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} {queries}\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {hits}\n'
+    )
+
+
 def test_kubectl_get_shows_transfer_columns_and_health(cluster, operator, fake_metrics) -> None:
-    fake_metrics.texts = {"m-prefill-0": prometheus(300, 2), "m-decode-0": ""}
+    fake_metrics.texts = {
+        "m-prefill-0": prometheus(300, 2) + _prefix_cache(1000, 300),
+        "m-decode-0": _prefix_cache(1000, 500),
+    }
     cluster.apply(make_inference("m", accelerator="p5en").obj())
     cluster.wait_ready("m", "CR m Ready")
     wait_until(
@@ -34,11 +47,13 @@ def test_kubectl_get_shows_transfer_columns_and_health(cluster, operator, fake_m
         "TRANSFERS",
         "FAILED",
         "XFER-P50",
+        "PREFIX-HIT",
         "AGE",
     ]
     cols = row.split()
     assert cols[:7] == ["m", "push", "1/1", "1/1", "True", "300", "2"], row
     assert cols[7].endswith("ms"), row
+    assert cols[8] == "40%", row  # 800 of 2,000 prompt tokens found in the two prefix caches
     health = cluster.condition("m", "TransferHealthy")
     # 2 failures seen on the first scrape count as new failures.
     assert (health["status"], health["reason"]) == ("False", "TransferFailures")
