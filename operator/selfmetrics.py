@@ -6,7 +6,7 @@ Served on KVFERRY_METRICS_PORT when set (the chart's metrics Service scrapes it)
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 REGISTRY = CollectorRegistry()
 API_REQUESTS = Counter(
@@ -26,6 +26,14 @@ RECONCILE_SECONDS = Histogram(
 )
 SCRAPES = Counter(
     "kvferry_operator_metric_scrapes", "Transfer-metric scrapes of engine pods", ["result"], registry=REGISTRY
+)
+
+
+AUTOSCALE_DESIRED = Gauge(
+    "kvferry_autoscale_desired_replicas",
+    "Replicas the autoscale planner wants for a role (spec.autoscaling); an HPA or KEDA may act on it",
+    ["namespace", "name", "role"],
+    registry=REGISTRY,
 )
 
 

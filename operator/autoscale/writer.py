@@ -18,15 +18,8 @@ from kubernetes.client import AppsV1Api
 from kubernetes.client.exceptions import ApiException
 from kvferry.operator import names
 from kvferry.operator.apply import REQUEST_TIMEOUT_S, Kube, KubeError
-from kvferry.operator.selfmetrics import REGISTRY
-from prometheus_client import Gauge
+from kvferry.operator.selfmetrics import AUTOSCALE_DESIRED as DESIRED
 
-DESIRED = Gauge(
-    "kvferry_autoscale_desired_replicas",
-    "Replicas the autoscale planner wants for a role (spec.autoscaling); an HPA or KEDA may act on it",
-    ["namespace", "name", "role"],
-    registry=REGISTRY,
-)
 MERGE_PATCH = "application/merge-patch+json"
 
 
