@@ -35,6 +35,10 @@ OPERATOR_ALLOWED = (
     | triples("kvferry.io", ("disaggregatedinferences",), (*READ, "patch"))
     | triples("kvferry.io", ("disaggregatedinferences/status",), ("get", "patch"))
     | triples("apps", ("statefulsets", "deployments"), CRUD)
+    # spec.autoscaling writes replicas through the scale subresource only (operator/autoscale/writer.py)
+    | triples("apps", ("statefulsets/scale",), ("get", "patch"))
+    # a role wider than one node is a LeaderWorkerSet (operator/render/groups.py); no list/watch
+    | triples("leaderworkerset.x-k8s.io", ("leaderworkersets",), ("get", "create", "patch"))
     | triples("", ("services", "configmaps", "serviceaccounts"), CRUD)
     | triples("policy", ("poddisruptionbudgets",), CRUD)
     | triples("rbac.authorization.k8s.io", ("roles", "rolebindings"), CRUD)
