@@ -310,6 +310,7 @@ class Endpoint:
         return active or bool(actions)
 
     def _read_notifs(self, now: float) -> list[P.Action]:
+        self.writes.fence(time.monotonic())  # reading drives progress: the commands may have taken time
         out: list[P.Action] = []
         for sender, messages in self.transport.notifs().items():
             for raw in messages:

@@ -7,7 +7,8 @@
   the registration carried, so the consumer's (possibly reused) blocks stay untouched.
 - A producer frozen in the middle of a WRITE (UCX over TCP, so the WRITE needs the producer's progress)
   past the consumer's deadline + grace: the consumer frees and reuses its blocks; when the producer
-  resumes it fences itself (its engine fails) before driving NIXL again, so nothing more lands. NIXL
+  resumes it fences itself (its engine fails) before driving NIXL again: at most the progress call it
+  was frozen in completes, and nothing more lands. NIXL
   cannot stop a posted WRITE (releasing its handle or removing the peer does not): without the fence
   the rest of the WRITE lands in the reused blocks.
 """
@@ -103,6 +104,10 @@ def test_a_write_stuck_past_the_consumers_deadline_fences_the_producer_and_never
         os.kill(prod.pid, signal.SIGCONT)
     why = wait_until(lambda: prod.call("dead"), "the producer to fence itself", timeout_s=10, interval_s=0.05)
     assert why.startswith("StuckWrite:") and "('r', 0)" in why, why
-    total = cons.call("mismatches", blocks, tokens)
+    words = len(blocks) * 16 * 8 * 2 * 16 * 128
+    after = cons.call("mismatches", blocks, tokens)
     time.sleep(1.0)  # the unfenced producer pushed the rest of its WRITE within this second
-    assert cons.call("mismatches", blocks, tokens) == total == len(blocks) * 16 * 8 * 2 * 16 * 128
+    assert cons.call("mismatches", blocks, tokens) == after  # nothing more lands
+    # A producer frozen inside a progress call finishes that one call when it resumes (a few MB through
+    # the socket buffers); the fence stops it there. Unfenced, the rest of the 128 MiB lands.
+    assert words - after <= words // 8, f"{(words - after) * 4} bytes landed in released blocks"
