@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from kvferry.local.controlplane import build, certs
 from kvferry.local.controlplane.plane import ControlPlane
-from kvferry.local.controlplane.processes import Proc, reserve_ports, wait_for
+from kvferry.local.controlplane.processes import Proc, reserve_ports, wait_for, wait_until
 from kvferry.local.controlplane.rest import probe
 
 START_TIMEOUT_S = 90.0
@@ -76,11 +76,17 @@ class Lws:
         self.proc: Proc | None = None
         self._kinds: list[str] = []
 
+    def _established(self) -> bool:
+        out = self.plane.kubectl("get", f"crd/{CRD_NAME}", "-o", "json").stdout
+        conditions = json.loads(out).get("status", {}).get("conditions") or []
+        return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
+
     def start(self, workdir: Path) -> Lws:
         build.ensure_built()
         src = build.lws_manifests_dir()
         self.plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(src / "crd.yaml"))
-        self.plane.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+        # `kubectl wait` fails at once on a CRD whose status has no conditions yet: poll instead.
+        wait_until(f"the {CRD_NAME} CRD established", self._established, 60.0)
         workdir.mkdir(parents=True, exist_ok=True)
         pki = workdir / "certs"
         certs.issue_serving(certs.CertPair(self.plane.ca_file, self.plane.ca_file.with_suffix(".key")), pki)
