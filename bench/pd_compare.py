@@ -24,8 +24,10 @@ import json
 import math
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 from kvferry.local.tinymodel import ensure
@@ -182,7 +184,7 @@ def comparison(results: dict[str, list[loadbench.Cell]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _best(cells: dict[str, object], get, low: bool) -> tuple[float, str]:  # type: ignore[no-untyped-def]
+def _best(cells: dict[str, Any], get: Callable[[Any], float], low: bool) -> tuple[float, str]:
     """The best value among the upstream modes' cells and which mode had it (NaN when none ran)."""
     values = [(get(c), m) for m, c in cells.items() if not math.isnan(get(c))]
     if not values:

@@ -266,18 +266,16 @@ class Endpoint:
         self._wake.set()
 
     def _load(self, active: bool) -> Load:
-        core = self.producer or self.consumer
         return Load(
             active=active,
             writing=bool(self.writes),
             receiving=bool(self.peers.fetching or (self.consumer and self.consumer.expected)),
-            pending=any(core.pending().values()),
+            pending=any(self._last_pending.values()),  # this round's, handshakes included
             connecting=time.monotonic() < self._contact_until,
         )
 
     def _round(self) -> bool:
         now = time.monotonic()
-        self.writes.fence(now)  # first: everything below may drive NIXL's progress
         actions: list[P.Action] = []
         while True:
             try:
@@ -310,7 +308,8 @@ class Endpoint:
         return active or bool(actions)
 
     def _read_notifs(self, now: float) -> list[P.Action]:
-        self.writes.fence(time.monotonic())  # reading drives progress: the commands may have taken time
+        # The round's first call that drives NIXL's progress: a stuck WRITE fences the rank before it.
+        self.writes.fence(time.monotonic())
         out: list[P.Action] = []
         for sender, messages in self.transport.notifs().items():
             for raw in messages:
