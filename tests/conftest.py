@@ -1,4 +1,8 @@
 """Fixtures shared across test folders, registered as plugins (pytest reads `pytest_plugins` only in
 this top-level conftest): test modules request them by name and import only plain helpers."""
 
-pytest_plugins = ["tests.cluster.operator_fixtures", "tests.cluster.engine_metrics"]
+pytest_plugins = [
+    "tests.cluster.operator_fixtures",
+    "tests.cluster.engine_metrics",
+    "tests.cluster.status_log",
+]

@@ -8,83 +8,19 @@ and resync; the engines' metrics come from a local server whose counters grow, s
 
 from __future__ import annotations
 
-import threading
 import urllib.request
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
-from kubernetes import watch
 from kvferry.local.controlplane.processes import reserve_ports
-from kvferry.operator.spec import GROUP, PLURAL, VERSION
 
 from tests.cluster.engine_metrics import FakeMetrics, prometheus
+from tests.cluster.status_log import StatusLog
 from tests.unit.operator.cases import make_inference
 from tests.waiting import wait_until
 
 TICKS = 5  # metric-timer status writes while the Secret is missing
 RESYNCS = 2  # full reconciles in the same window
 SECRET = "hf-token"
-
-
-class StatusLog:
-    """Every stored version of the namespace's CRs, in order, as a watch delivers them."""
-
-    def __init__(self, cluster) -> None:
-        self.versions: list[tuple[str, dict[str, Any]]] = []  # (CR name, status)
-        self.closed, self.error = False, ""
-        listed = cluster.custom.list_namespaced_custom_object(GROUP, VERSION, cluster.ns, PLURAL)
-        self._watch = watch.Watch()
-        stream = self._watch.stream(
-            cluster.custom.list_namespaced_custom_object,
-            GROUP,
-            VERSION,
-            cluster.ns,
-            PLURAL,
-            resource_version=listed["metadata"]["resourceVersion"],
-            timeout_seconds=300,
-        )
-        self._thread = threading.Thread(target=self._record, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _record(self, stream) -> None:
-        try:
-            for event in stream:
-                obj = event["object"]
-                self.versions.append((obj["metadata"]["name"], obj.get("status") or {}))
-        except Exception as exc:  # the connection ends when the control plane stops after the test
-            if not self.closed:
-                self.error = repr(exc)
-
-    def close(self) -> None:
-        self.closed = True
-        self._watch.stop()
-
-    def runs(self, name: str, ctype: str) -> list[tuple[str, str]]:
-        """(status, reason) of condition `ctype` across every version of `name`, repeats folded."""
-        assert not self.error, f"the watch broke, versions may be missing: {self.error}"
-        out: list[tuple[str, str]] = []
-        for cr, status in list(self.versions):
-            cond = next((c for c in status.get("conditions", []) if c["type"] == ctype), None)
-            value = (cond["status"], cond["reason"]) if cond else None
-            if cr == name and value and (not out or out[-1] != value):
-                out.append(value)
-        return out
-
-    def flaps(self, name: str) -> dict[str, list[tuple[str, str]]]:
-        """Conditions of `name` that came back to a value they had left."""
-        types = {c["type"] for cr, st in self.versions if cr == name for c in st.get("conditions", [])}
-        return {t: r for t in types if len(set(r := self.runs(name, t))) != len(r)}
-
-    def transfers(self, name: str) -> set[int]:
-        return {st.get("transfer", {}).get("transfers", -1) for cr, st in list(self.versions) if cr == name}
-
-
-@pytest.fixture
-def status_log(cluster) -> Iterator[StatusLog]:
-    log = StatusLog(cluster)
-    yield log
-    log.close()
 
 
 @pytest.fixture
