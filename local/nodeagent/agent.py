@@ -32,7 +32,11 @@ log = logging.getLogger("kvferry.nodeagent")
 
 
 class NodeAgent:
-    """Runs the pods bound to `node` as local processes; `start()` then `stop()`."""
+    """Runs the pods bound to `node` as local processes; `start()` then `stop()`.
+
+    `vllm`: what the pods' `vllm` command runs (default: vLLM's server from this virtualenv); see
+    `image.write_bin_dir`.
+    """
 
     def __init__(
         self,
@@ -42,6 +46,7 @@ class NodeAgent:
         workdir: str | None = None,
         cores: list[int] | None = None,
         max_exclusive_cores: int = 1,
+        vllm: list[str] | None = None,
     ) -> None:
         self.kubeconfig, self.node = kubeconfig, node
         self.addresses = alloc.AddressPool(pod_cidr)
@@ -49,7 +54,7 @@ class NodeAgent:
         self.network = NodeNetwork(f"kvf-{node}-{os.getpid()}", pod_cidr)
         self.cores = alloc.CorePool(cores, max_exclusive_cores)
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"kvferry-node-{node}-"))
-        self.bin_dir = image.write_bin_dir(self.workdir / "bin")
+        self.bin_dir = image.write_bin_dir(self.workdir / "bin", vllm)
         self.kube: Kube | None = None
         self.workers: dict[str, PodWorker] = {}
         self._lock = threading.Lock()

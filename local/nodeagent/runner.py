@@ -1,9 +1,11 @@
 """Process step: run one container as a local process group, restart it per restartPolicy, stop it.
 
-Each start runs in a new session (its own process group), so stopping reaches the whole tree vLLM
-spawns (API server, engine core, workers): SIGTERM to the group, then SIGKILL after the grace
-period. Restarts back off 1 s, 2 s, 4 s ... capped at MAX_BACKOFF_S (the kubelet's 10 s ... 5 min
-would make the demo's recovery slow to watch; the shape is the same).
+Each start runs in a new session (its own process group), as a container's processes share one PID
+namespace. Stopping follows a container runtime: SIGTERM to the main process only (PID 1 in a
+container; vLLM's API server, which then drains and stops its engine core itself), then SIGKILL to
+the whole group after the grace period or as soon as the main process exited, as the runtime's
+teardown of the PID namespace does. Restarts back off 1 s, 2 s, 4 s ... capped at MAX_BACKOFF_S
+(the kubelet's 10 s ... 5 min would make the demo's recovery slow to watch; the shape is the same).
 """
 
 from __future__ import annotations
@@ -30,15 +32,25 @@ def now_iso() -> str:
 
 
 def kill_group(proc: subprocess.Popen[bytes], grace_s: float) -> int | None:
-    """SIGTERM the process group, SIGKILL it after `grace_s`; return the exit code (None if unknown)."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, KILL_WAIT_S)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
+    """SIGTERM the main process, SIGKILL the group once it exited or after `grace_s`; return the main
+    process's exit code (None if unknown).
+
+    Only the main process gets SIGTERM, as in a container: a signal to every process at once would
+    make a server's children stop on their own while the server still drains through them.
+    """
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGTERM)
+    try:
+        code: int | None = proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        code = None
+    _reap_group(proc.pid)
+    if code is None:
         try:
-            return proc.wait(timeout=wait_s)
+            code = proc.wait(timeout=KILL_WAIT_S)
         except subprocess.TimeoutExpired:
-            continue
-    return proc.poll()
+            code = proc.poll()
+    return code
 
 
 def _reap_group(pgid: int) -> None:
