@@ -20,6 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 WAITING = "vllm:num_requests_waiting"
+# Waiting split by reason (vLLM >= 0.30): "capacity" is the engine's own queue; "deferred" includes a
+# decode request waiting for its KV from prefill, which is prefill's delay, not decode's.
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 RUNNING = "vllm:num_requests_running"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 QUANTILES = {"p50": 0.5, "p90": 0.9}
@@ -50,9 +53,13 @@ def parse_engine(text: str) -> EngineSample:
     ttft: Buckets = {}
     itl: Buckets = {}
     gauges = {WAITING: 0.0, RUNNING: 0.0, KV_USAGE: 0.0}
+    capacity: float | None = None  # waiting for scheduling capacity, where the engine says so
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == TTFT + "_bucket":
+            if s.name == WAITING_BY_REASON:
+                if s.labels.get("reason") == "capacity":
+                    capacity = (capacity or 0.0) + s.value
+            elif s.name == TTFT + "_bucket":
                 _add(ttft, s.labels["le"], s.value)
             elif s.name == ITL + "_bucket":
                 _add(itl, s.labels["le"], s.value)
@@ -60,7 +67,8 @@ def parse_engine(text: str) -> EngineSample:
                 gauges[KV_USAGE] = max(gauges[KV_USAGE], s.value)  # engines report it per engine index
             elif s.name in gauges:
                 gauges[s.name] += s.value
-    return EngineSample(ttft, itl, gauges[WAITING], gauges[RUNNING], gauges[KV_USAGE])
+    waiting = gauges[WAITING] if capacity is None else capacity
+    return EngineSample(ttft, itl, waiting, gauges[RUNNING], gauges[KV_USAGE])
 
 
 def increase(now: Buckets, before: Buckets | None) -> Buckets:

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import pytest
-from kvferry.operator.autoscale.signals import ITL, KV_USAGE, RUNNING, TTFT, WAITING, parse_engine, window
+from kvferry.operator.autoscale.signals import (
+    ITL,
+    KV_USAGE,
+    RUNNING,
+    TTFT,
+    WAITING,
+    WAITING_BY_REASON,
+    parse_engine,
+    window,
+)
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 # vLLM 0.x buckets (vllm/v1/metrics/loggers.py), enough of them to place the values below.
@@ -73,6 +82,19 @@ def test_pods_are_summed_and_the_fullest_kv_cache_counts() -> None:
     assert w.requests == 10
     assert w.ttft is not None and w.ttft <= 0.1  # 9 of 10 fast: p90 in the fast bucket
     assert w.decode_kv_usage == pytest.approx(0.96) and w.decode_running == 7
+
+
+def test_decode_requests_waiting_for_kv_are_not_decode_s_queue() -> None:
+    """vLLM splits waiting by reason; a decode request deferred while its KV arrives from prefill is
+    prefill's delay (seen on the real stack: blaming decode scaled the wrong role). Without the split,
+    every waiting request counts."""
+    e = Engine()
+    e.waiting.set(4)
+    assert parse_engine(e.text()).waiting == 4
+    by_reason = Gauge(WAITING_BY_REASON, "w", [*LABELS, "reason"], registry=e.registry)
+    by_reason.labels("m", "0", "capacity").set(1)
+    by_reason.labels("m", "0", "deferred").set(3)
+    assert parse_engine(e.text()).waiting == 1
 
 
 def test_a_restarted_pod_counts_from_zero_and_a_new_one_from_its_first_scrape() -> None:
