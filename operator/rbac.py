@@ -53,6 +53,13 @@ RULES: list[tuple[list[str], list[str], list[str], str]] = [
         "spans nodes; the LWS controller makes its pods)",
     ),
     (
+        ["kueue.x-k8s.io"],
+        ["workloads"],
+        ["get"],
+        "spec.placement.gang kueue: read the pod group's Workload so GangAdmitted says whether Kueue "
+        "admitted prefill and decode or holds them (one get per reconcile and metrics interval)",
+    ),
+    (
         ["apps"],
         ["statefulsets/scale"],
         ["get", "patch"],

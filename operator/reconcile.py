@@ -19,8 +19,8 @@ from kvferry.operator.config import OperatorConfig
 from kvferry.operator.drift import drifted, up_to_date
 from kvferry.operator.render.objects import render
 from kvferry.operator.spec import SpecError
-from kvferry.operator.status import admission
 from kvferry.operator.status import conditions as status
+from kvferry.operator.status import gang as gang_status
 from kvferry.operator.status.conditions import ConditionType, EventReason, Observed, Reason
 from kvferry.operator.status.publish import Watched, no_watch, publish
 
@@ -188,11 +188,7 @@ def reconcile(
         )
 
     # Step 2b: are P and D admitted together? (GangAdmitted; discovery answers are cached by Kube.)
-    try:
-        served = {group for group in admission.GANG_GROUPS if kube.serves(group)}
-        gang = admission.verdict(rendered.spec, name, served)
-    except KubeError as exc:
-        gang = ("Unknown", Reason.NO_GANG_SCHEDULER, f"cannot discover gang admission APIs: {exc}")
+    gang = gang_status.observe(kube, rendered.spec, ns, name)
 
     # Step 3: summarize from the objects the apply returned (they carry current status: no extra reads).
     faults = {

@@ -58,6 +58,9 @@ COMPONENTS = (
     Component("helm", versions.HELM, ("helm",)),
     Component("lws", versions.LWS, ("lws-controller",)),
 )
+# Built only when asked for (`ensure_built(ON_DEMAND)`, `kvferry cluster build --with kueue`): Kueue's
+# cold build alone is ~15 min on 2 cores, which a cold CI run cannot add (docs/control-plane.md).
+ON_DEMAND = (Component("kueue", versions.KUEUE, ("kueue-controller",)),)
 
 
 def cache_dir() -> Path:
@@ -82,6 +85,30 @@ def lws_manifests_dir() -> Path:
     return share_dir() / f"lws-v{versions.LWS}"
 
 
+def kueue_manifests_dir() -> Path:
+    """Kueue's CRDs and webhook configurations, copied from its module (applied by kueue.py)."""
+    return share_dir() / f"kueue-v{versions.KUEUE}"
+
+
+KUEUE_CRDS = (  # every CRD of the release: the controller sets up indexes on all of them at start-up
+    "admissionchecks",
+    "clusterqueues",
+    "cohorts",
+    "localqueues",
+    "multikueueclusters",
+    "multikueueconfigs",
+    "provisioningrequestconfigs",
+    "resourceflavors",
+    "topologies",
+    "workloadpriorityclasses",
+    "workloads",
+)
+KUEUE_MANIFESTS = {  # file written -> its path in the sigs.k8s.io/kueue module
+    "webhooks.yaml": "config/components/webhook/manifests.yaml",
+    **{f"crd-{kind}.yaml": f"config/components/crd/bases/kueue.x-k8s.io_{kind}.yaml" for kind in KUEUE_CRDS},
+}
+
+
 LWS_MANIFESTS = {  # file written -> its path in the sigs.k8s.io/lws module
     "crd.yaml": "config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml",
     "webhooks.yaml": "config/webhook/manifests.yaml",
@@ -103,11 +130,13 @@ def is_built(comp: Component) -> bool:
         return False
     if comp.name == "lws" and not all((lws_manifests_dir() / f).is_file() for f in LWS_MANIFESTS):
         return False
+    if comp.name == "kueue" and not all((kueue_manifests_dir() / f).is_file() for f in KUEUE_MANIFESTS):
+        return False
     return all(os.access(binary(b), os.X_OK) for b in comp.binaries)
 
 
-def missing() -> list[Component]:
-    return [c for c in COMPONENTS if not is_built(c)]
+def missing(extra: tuple[Component, ...] = ()) -> list[Component]:
+    return [c for c in (*COMPONENTS, *extra) if not is_built(c)]
 
 
 def go_binary() -> str:
@@ -248,6 +277,17 @@ def _build_lws(go: str, log: Path) -> None:
         (out / name).write_text((src / path).read_text())
 
 
+def _build_kueue(go: str, log: Path) -> None:
+    # Its own module too: Kueue requires every job framework it integrates (Kubeflow, Ray, JobSet, ...).
+    _build_single(go, log, "kueue", "sigs.k8s.io/kueue/cmd/kueue", versions.KUEUE, "kueue-controller", "")
+    work = cache_dir() / "gobuild" / "kueue"
+    src = Path(_module_info(go, work, log, f"sigs.k8s.io/kueue@v{versions.KUEUE}")["Dir"])
+    out = kueue_manifests_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    for name, path in KUEUE_MANIFESTS.items():
+        (out / name).write_text((src / path).read_text())
+
+
 def _build_helm(go: str, log: Path) -> None:
     # Version ldflags as helm's Makefile sets them, so `helm version` and .Capabilities are right.
     minor = versions.kube_minor()
@@ -270,6 +310,7 @@ BUILDERS = {
     "kwok": _build_kwok,
     "helm": _build_helm,
     "lws": _build_lws,
+    "kueue": _build_kueue,
 }
 
 
@@ -292,15 +333,16 @@ def _build_lock() -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def ensure_built(out: TextIO | None = None) -> dict[str, float]:
-    """Build whatever is missing; return seconds spent per component (empty when all was cached)."""
+def ensure_built(out: TextIO | None = None, extra: tuple[Component, ...] = ()) -> dict[str, float]:
+    """Build whatever is missing of COMPONENTS and `extra` (e.g. ON_DEMAND); return seconds spent per
+    component (empty when all was cached)."""
     global _progress
     out = out or sys.stdout
     _progress = out
-    if not missing():
+    if not missing(extra):
         return {}
     with _build_lock():
-        todo = missing()  # another session may have built them while we waited
+        todo = missing(extra)  # another session may have built them while we waited
         if not todo:
             return {}
         go = go_binary()

@@ -11,6 +11,7 @@ ETCD = "3.6.8"  # go.etcd.io/etcd/server/v3 (its module root is `package main`)
 KWOK = "0.8.0"  # sigs.k8s.io/kwok: stands in for kubelets on fake nodes
 HELM = "3.22.0"  # helm.sh/helm/v3
 LWS = "0.8.0"  # sigs.k8s.io/lws: LeaderWorkerSet CRD, controller and webhooks (multi-node roles)
+KUEUE = "0.17.0"  # sigs.k8s.io/kueue: gang admission of P and D as one pod group (built on demand)
 
 GO_MIN = (1, 26)  # kwok v0.8.0 and helm v3.22 need go >= 1.26
 

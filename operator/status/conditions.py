@@ -47,8 +47,9 @@ class Reason(str, Enum):
     # TransferHealthy from engine pods' termination messages (podchecks.py)
     PREFLIGHT_FAILED = "PreflightFailed"
     INJECT_FAILED = "ConnectorInjectFailed"
-    # GangAdmitted reasons (admission.py, at reconcile)
-    KUEUE_POD_GROUP = "KueuePodGroup"
+    # GangAdmitted reasons (admission.py, at reconcile and each metrics interval)
+    KUEUE_ADMITTED = "KueueAdmitted"
+    KUEUE_PENDING = "KueuePending"
     GANG_SCHEDULER_MISSING = "GangSchedulerMissing"
     GANG_NOT_REQUESTED = "GangNotRequested"
     NO_GANG_SCHEDULER = "NoGangScheduler"

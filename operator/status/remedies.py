@@ -60,7 +60,11 @@ FIXES: dict[Reason, str] = {
         "the init container could not copy the connector: check the operator image (spec.router.image) "
         "and `kubectl logs POD -c kvferry-inject`"
     ),
-    Reason.KUEUE_POD_GROUP: "nothing to do; `kubectl get workloads` shows the pod group's admission",
+    Reason.KUEUE_ADMITTED: "nothing to do; `kubectl get workloads` shows the pod group's admission",
+    Reason.KUEUE_PENDING: (
+        "give the LocalQueue's ClusterQueue quota for the whole service (both roles), or lower replicas; "
+        "`kubectl describe workload NAME-engines` shows what Kueue waits for"
+    ),
     Reason.GANG_SCHEDULER_MISSING: (
         'install Kueue with its pod integration (docs/install.md "Gang admission"), or set '
         "spec.placement.gang none"
@@ -71,7 +75,7 @@ FIXES: dict[Reason, str] = {
         "then watch both roles' readiness (kubectl get disaggregatedinference)"
     ),
 }
-HEALTHY = {Reason.ALL_READY, Reason.RECONCILED, Reason.TRANSFERS_OK, Reason.KUEUE_POD_GROUP}
+HEALTHY = {Reason.ALL_READY, Reason.RECONCILED, Reason.TRANSFERS_OK, Reason.KUEUE_ADMITTED}
 
 
 def explain(reason: Reason, message: str) -> str:
@@ -93,7 +97,8 @@ _CONDITIONS = {
     **{
         r: "GangAdmitted"
         for r in (
-            Reason.KUEUE_POD_GROUP,
+            Reason.KUEUE_ADMITTED,
+            Reason.KUEUE_PENDING,
             Reason.GANG_SCHEDULER_MISSING,
             Reason.GANG_NOT_REQUESTED,
             Reason.NO_GANG_SCHEDULER,

@@ -25,7 +25,7 @@ from kvferry.operator.config import OperatorConfig, check_template
 from kvferry.operator.reconcile import Event
 from kvferry.operator.spec import EFA_ACCELERATORS
 from kvferry.operator.status import conditions as status
-from kvferry.operator.status import landed, podchecks, remedies
+from kvferry.operator.status import gang, landed, podchecks, remedies
 from kvferry.operator.status import transfer as transfer_metrics
 from kvferry.operator.status.conditions import ConditionType, EventReason, Observed, Verdict
 from kvferry.operator.status.publish import Watched, no_watch, publish
@@ -187,7 +187,10 @@ def scrape(
         return summary, verdicts[-1]
 
     roles = landed.landed(pods)
-    observed = Observed(placement={**roles, "zone": landed.summary(roles)})
+    # A Kueue gang's admission moves nothing the operator watches while it waits for quota: read it here.
+    observed = Observed(
+        placement={**roles, "zone": landed.summary(roles)}, gang=gang.observe_if_kueue(kube, cr)
+    )
     patch = publish(kube, cr, observed, _watched_or_read(kube, cr, watched), transfer=finding)
     state, reason, message = verdicts[-1]
     selfmetrics.SCRAPES.labels("ok" if patch["transfer"]["scrapedPods"] else "no-pods-answered").inc()

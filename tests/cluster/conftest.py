@@ -27,20 +27,32 @@ _HERE = Path(__file__).parent
 _STARTED_IN: list[tuple[float, dict[str, float]]] = []
 
 
+# Slow tier: tests whose component is built on demand (build.ON_DEMAND: Kueue, ~15 min cold) run only
+# when `-m` names their marker, so a cold CI run never builds it (docs/verification.md "Test tiers").
+ON_DEMAND_MARKERS = ("kueue",)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` selection reads the markers
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if _HERE in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.cluster)
+    asked = config.getoption("markexpr") or ""
+    skipped = [m for m in ON_DEMAND_MARKERS if m not in asked]
+    dropped = [i for i in items if any(i.get_closest_marker(m) for m in skipped)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [i for i in items if i not in dropped]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """If a cluster test runs, build the binaries (tens of minutes cold) here, outside any test timeout."""
     if not any(item.get_closest_marker("cluster") for item in session.items):
         return
+    extra = build.ON_DEMAND if any(i.get_closest_marker("kueue") for i in session.items) else ()
     capture = session.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():  # show the build's progress lines
-        build.ensure_built()
+        build.ensure_built(extra=extra)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

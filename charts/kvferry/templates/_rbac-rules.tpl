@@ -38,6 +38,11 @@
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
   verbs: [get, create, patch]
+# spec.placement.gang kueue: read the pod group's Workload so GangAdmitted says whether Kueue
+# admitted prefill and decode or holds them (one get per reconcile and metrics interval)
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [get]
 # spec.autoscaling: the planner writes each role's replicas through its StatefulSet's scale
 # subresource, and nothing else of the object
 - apiGroups: [apps]

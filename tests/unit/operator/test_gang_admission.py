@@ -66,17 +66,48 @@ def test_kueue_gang_needs_a_queue() -> None:
             "False",
             Reason.GANG_SCHEDULER_MISSING,
         ),
-        ({"gang": "kueue", "queueName": "q"}, {admission.KUEUE_GROUP}, "True", Reason.KUEUE_POD_GROUP),
+        ({"gang": "kueue", "queueName": "q"}, {admission.KUEUE_GROUP}, "False", Reason.KUEUE_PENDING),
     ],
 )
 def test_gang_admitted_says_whether_p_and_d_are_admitted_together(
     gang: dict[str, str], served: set[str], status: str, reason: Reason
 ) -> None:
     spec = parse_spec(make_inference("svc", placement=gang).obj()["spec"])
-    got = admission.verdict(spec, "svc", served)
+    got = admission.verdict(spec, "svc", served)  # no Workload read (yet)
     assert got[:2] == (status, reason)
-    if reason is Reason.KUEUE_POD_GROUP:
-        assert "svc-engines" in got[2] and "LocalQueue q" in got[2]
+    if reason is Reason.KUEUE_PENDING:
+        assert "svc-engines" in got[2] and "no Workload" in got[2]
+
+
+def _workload(**conditions: tuple[str, str]) -> dict[str, Any]:
+    conds = [{"type": t, "status": s, "message": m} for t, (s, m) in conditions.items()]
+    return {"kind": "Workload", "metadata": {"name": "svc-engines"}, "status": {"conditions": conds}}
+
+
+QUOTA = "couldn't assign flavors to pod set a1b2: insufficient quota for nvidia.com/gpu in flavor gpus"
+
+
+@pytest.mark.parametrize(
+    ("workload", "status", "reason", "says"),
+    [
+        (
+            _workload(QuotaReserved=("True", "ok"), Admitted=("True", "ok")),
+            "True",
+            Reason.KUEUE_ADMITTED,
+            "released together",
+        ),
+        (_workload(QuotaReserved=("False", QUOTA)), "False", Reason.KUEUE_PENDING, QUOTA),
+        (_workload(), "False", Reason.KUEUE_PENDING, "not admitted"),  # just made: no conditions yet
+        (None, "False", Reason.KUEUE_PENDING, "no Workload"),
+    ],
+)
+def test_with_kueue_the_condition_says_whether_the_group_was_admitted(
+    workload: dict[str, Any] | None, status: str, reason: Reason, says: str
+) -> None:
+    spec = parse_spec(make_inference("svc", placement={"gang": "kueue", "queueName": "q"}).obj()["spec"])
+    got = admission.verdict(spec, "svc", {admission.KUEUE_GROUP}, workload)
+    assert got[:2] == (status, reason)
+    assert says in got[2] and "svc-engines" in got[2] and "LocalQueue q" in got[2]
 
 
 def test_the_condition_is_written_by_the_reconcile_and_carried_by_other_writers() -> None:
