@@ -37,7 +37,8 @@ def parse_counts(text: str) -> dict[str, int]:
 
 def _cmd_build(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
-    times = build.ensure_built()
+    extra = tuple(c for c in build.ON_DEMAND if c.name in (args.with_ or []))
+    times = build.ensure_built(extra=extra)
     pins = (
         f"kubernetes {versions.KUBERNETES}, etcd {versions.ETCD}, kwok {versions.KWOK}, helm {versions.HELM}"
     )
@@ -95,7 +96,14 @@ def _print_env(plane: ControlPlane) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvferry cluster", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("build", help="build the pinned binaries into $KVFERRY_BIN (cached)")
+    b = sub.add_parser("build", help="build the pinned binaries into $KVFERRY_BIN (cached)")
+    b.add_argument(
+        "--with",
+        dest="with_",
+        action="append",
+        choices=[c.name for c in build.ON_DEMAND],
+        help="also build an on-demand component (kueue: ~15 min cold; for `pytest -m kueue`)",
+    )
     up = sub.add_parser("up", help="start a control plane with fake nodes")
     up.add_argument(
         "--nodes", default="p5en=2,trn2=1,cpu=1", help="fake nodes, shape=count,... (default: %(default)s)"
