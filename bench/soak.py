@@ -420,12 +420,18 @@ def table(s: dict[str, Any]) -> str:
     return "| what | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
 
 
-def run(cfg: Config, model: Path, workdir: Path) -> dict[str, Any]:
-    """Start a kvferry stack, soak it, settle, summarize; every process is stopped by PID."""
-    stack = PdStack("kvferry", model, workdir, deadlines=cfg.deadlines, router_extra=cfg.router)
+def run(cfg: Config, model: Path, workdir: Path, stack: PdStack | None = None) -> dict[str, Any]:
+    """Soak a kvferry stack, settle, summarize. Without `stack` one is started here and every process
+    stopped by PID at the end; a given (live, kvferry) stack gets a router of the soak's config and is
+    left running."""
+    own = stack is None
+    if stack is None:
+        stack = PdStack("kvferry", model, workdir, deadlines=cfg.deadlines, router_extra=cfg.router)
+        print(f"== starting P/D stack in {workdir}", flush=True)
+        stack.start(cfg.ready_timeout_s)
+    else:
+        stack.reroute(cfg.deadlines, cfg.router)
     soak = Soak(cfg, stack)
-    print(f"== starting P/D stack in {workdir}", flush=True)
-    stack.start(cfg.ready_timeout_s)
     try:
         faults = [(f.kind, f.at) for f in soak.faults]
         print(f"== soak: {len(soak.reqs)} requests, faults {faults}", flush=True)
@@ -436,8 +442,9 @@ def run(cfg: Config, model: Path, workdir: Path) -> dict[str, Any]:
         summary = summarize(soak, gauges, settle_s, time.monotonic() - t0)
         return summary | {"pass": passed(summary)}
     finally:
-        stack.stop()
-        stack.remove_orphan_shm()  # only files the engines this run killed had mapped
+        if own:
+            stack.stop()
+            stack.remove_orphan_shm()  # only files the engines this run killed had mapped
 
 
 def _pair(text: str, kind: type = float) -> tuple[Any, ...]:

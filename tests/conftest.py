@@ -5,4 +5,5 @@ pytest_plugins = [
     "tests.cluster.operator_fixtures",
     "tests.cluster.engine_metrics",
     "tests.cluster.status_log",
+    "tests.e2e.shared_stack",
 ]

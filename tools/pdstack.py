@@ -193,6 +193,47 @@ class PdStack:
             raise
         return self
 
+    def reroute(self, deadlines: dict[str, float], router_extra: dict[str, Any] | None = None) -> None:
+        """Replace the router with one of these deadlines and keys; the engines stay as they are."""
+        if self.router is not None:
+            self.router.stop()
+        self.deadlines, self.router_extra = dict(deadlines), dict(router_extra or {})
+        self.router = RouterProcess(self.router_config(), self.workdir).start()
+
+    def revive(self, idle_timeout_s: float = 60.0) -> None:
+        """A live, idle pair, whatever ran before: paused engines resumed, exited ones restarted (and
+        handshaken again), then nothing running or queued on the engines or in flight on the router."""
+        for role in list(self.paused):
+            self.resume(role)
+        for role in self.exited():
+            self.restart(role)
+            self.warm_up()
+        self.settle_idle(idle_timeout_s)
+
+    def settle_idle(self, timeout_s: float) -> None:
+        start = time.monotonic()
+        while (busy := self._busy()) and time.monotonic() - start < timeout_s:
+            time.sleep(0.5)
+        if busy:
+            raise TimeoutError(f"P/D pair not idle after {timeout_s:g} s: {busy}")
+
+    def _busy(self) -> dict[str, float]:
+        """What still runs: requests on each engine, legs and detached prefills on the router."""
+        try:
+            out = {}
+            for role in ENGINE_ROLES:
+                m = self.server(role).metrics()
+                out[role] = metric_sum(m, "vllm:num_requests_running") + metric_sum(
+                    m, "vllm:num_requests_waiting"
+                )
+            r = parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text)
+            out["router"] = metric_sum(r, "kvferry_router_in_flight") + metric_sum(
+                r, "kvferry_router_detached_prefills"
+            )
+        except httpx.HTTPError as exc:
+            return {"unreadable": 1.0, repr(exc): 1.0}
+        return {k: v for k, v in out.items() if v}
+
     def warm_up(self) -> None:
         """One request end to end, so the first P<->D NIXL handshake is done before measurements.
 

@@ -288,6 +288,23 @@ class VllmProcess:
                 total += int(fields[11]) + int(fields[12])  # utime, stime
         return total / tick
 
+    def thread_cpu_seconds(self) -> dict[str, float]:
+        """CPU time per thread name ("pid/name", summed over threads of one name) of the server's tree:
+        where the time of cpu_seconds() went."""
+        assert self.proc is not None
+        tick, out = os.sysconf("SC_CLK_TCK"), {}
+        for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
+            with contextlib.suppress(OSError):
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                    name, fields = (
+                        stat[stat.index("(") + 1 : stat.rindex(")")],
+                        stat.rsplit(")", 1)[1].split(),
+                    )
+                    key = f"{pid}/{name}"
+                    out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        return out
+
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10.0).text)
 

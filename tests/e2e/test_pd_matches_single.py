@@ -21,15 +21,19 @@ import pytest
 from kvferry.router.promtext import metric_sum, parse_metrics
 from kvferry.tools.pdstack import PdStack, kvferry_connector_available
 
+from tests.e2e.shared_stack import acquire
+
 from .pdclient import PROMPT_LENGTHS, compare_greedy, outputs, requests
 
 # Setup starts vLLM servers: on a shared 2-core host that alone can take minutes.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
-# (mode, prefill block size, decode block size); kvferry cases join once its connector exists.
-CASES = [("vllm-pull", None, None), ("vllm-push", None, None)]
+# (mode, prefill block size, decode block size); kvferry cases join once its connector exists. A mode
+# at default settings runs on the shared pair of that mode (tests/e2e/shared_stack.py).
+RAW_CASES = [("vllm-pull", None, None), ("vllm-push", None, None)]
 if kvferry_connector_available():
-    CASES += [("kvferry", None, None), ("kvferry", 128, 64)]
+    RAW_CASES += [("kvferry", None, None), ("kvferry", 128, 64)]
+SHARED = {("vllm-push", None, None), ("kvferry", None, None)}
 # Upstream connectors are baselines: the test holds them to what they guarantee through the router
 # (every request answered with the single instance's tokens, a failed transfer counted as a recompute),
 # not to what they do on a good day. Upstream push wedges silently under concurrency, worst while its
@@ -45,14 +49,25 @@ def _case_id(case: tuple[str, int | None, int | None]) -> str:
     return mode if pb is None else f"{mode}-P{pb}-D{db}"
 
 
-@pytest.fixture(scope="module", params=CASES, ids=_case_id)
+CASES = [
+    pytest.param(c, id=_case_id(c), marks=[pytest.mark.shared_stack(c[0])] if c in SHARED else [])
+    for c in RAW_CASES
+]
+DEADLINES = {"prefill_s": 60, "decode_first_token_s": 60, "transfer_s": 10, "total_s": 120}
+
+
+@pytest.fixture(scope="module", params=CASES)
 def stack(
     request: pytest.FixtureRequest, reference: Any, tiny_model: Path, tmp_path_factory: Any
 ) -> Iterator[PdStack]:
     mode, pb, db = request.param
+    if request.param in SHARED:
+        pd = acquire(mode, tmp_path_factory)
+        pd.reroute(DEADLINES)
+        yield pd
+        return
     workdir = tmp_path_factory.mktemp(_case_id(request.param))
-    deadlines = {"prefill_s": 60, "decode_first_token_s": 60, "transfer_s": 10, "total_s": 120}
-    pd = PdStack(mode, tiny_model, workdir, prefill_block_size=pb, decode_block_size=db, deadlines=deadlines)
+    pd = PdStack(mode, tiny_model, workdir, prefill_block_size=pb, decode_block_size=db, deadlines=DEADLINES)
     pd.start()
     try:
         yield pd

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvferry.tools.pdstack import kvferry_connector_available
+from kvferry.tools.pdstack import PdStack
 
-# Stack start-up (two vLLM servers) takes minutes on a shared 2-core host; the soak itself ~3 min.
+# On the shared kvferry pair (tests/e2e/shared_stack.py); the soak itself ~2 min.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 _spec = importlib.util.spec_from_file_location("bench_soak", Path(__file__).parents[2] / "bench" / "soak.py")
@@ -42,9 +42,11 @@ CONFIG = soak.Config(
 )
 
 
-@pytest.mark.skipif(not kvferry_connector_available(), reason="kvferry connector not in this checkout")
-def test_short_soak_loses_nothing_and_settles(tiny_model: Path, tmp_path: Path, record_property: Any) -> None:
-    summary = soak.run(CONFIG, tiny_model, tmp_path / "stack")
+@pytest.mark.shared_stack("kvferry")
+def test_short_soak_loses_nothing_and_settles(
+    shared_stack: PdStack, tiny_model: Path, tmp_path: Path, record_property: Any
+) -> None:
+    summary = soak.run(CONFIG, tiny_model, tmp_path / "stack", stack=shared_stack)
     print("\n" + soak.table(summary))
     for key in ("requests", "ok", "recomputed", "errors", "avoidable", "cancelled", "lost"):
         record_property(key, summary[key])
