@@ -14,3 +14,9 @@ ROLE = "kvferry.io/role"
 # Both roles' pod templates and StatefulSets: hash of everything P and D must agree on. The router
 # pairs only pods with equal values (its discovery config `revision_label` defaults to this).
 REVISION = "kvferry.io/revision"
+
+# Where a node sits, broadest first: the standard zone label, then the network node above it at each
+# layer that EKS sets on instance types with EC2 instance topology (1 = top, 3 = bottom). The operator
+# renders pod affinity on them; the router prefers P/D pairs that share the most leading levels.
+ZONE = "topology.kubernetes.io/zone"
+NETWORK_LAYERS = tuple(f"topology.k8s.aws/network-node-layer-{i}" for i in (1, 2, 3))

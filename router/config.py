@@ -59,6 +59,8 @@ class Endpoint:
     side_port: int
     tp_size: int = 1
     revision: str = ""
+    # Where it runs, broadest first: zone, network-node layers 1..3 (router/topology.py); () unknown.
+    topology: tuple[str, ...] = ()
 
 
 class Deadlines(_Section, frozen=True, kw_only=True):
@@ -149,6 +151,7 @@ class _Engine(_Section, frozen=True, kw_only=True):
     side_port: Port
     tp_size: PositiveInt = 1
     revision: str | int | float = ""  # YAML reads an unquoted 1234 as a number
+    topology: tuple[str, ...] = ()  # zone, then network-node layers 1..3 (router/topology.py)
 
 
 Engines = Annotated[

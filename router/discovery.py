@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.contracts.pods import PORT_HTTP, PORT_SIDE_CHANNEL
+from kvferry.router import topology
 from kvferry.router.config import Endpoint, KubernetesDiscoveryConfig
 
 NAMED_PORTS = (PORT_HTTP, PORT_SIDE_CHANNEL)  # as the operator names them (docs/contracts.md §3)
@@ -86,6 +87,7 @@ def endpoints_from_slices(
                 side_port=int(side_port),
                 tp_size=tp_size,
                 revision=pod_labels.get(pod, {}).get(revision_label, ""),
+                topology=topology.place(ep.get("zone"), pod_labels.get(pod, {})),
             )
     return tuple(found[k] for k in sorted(found))
 

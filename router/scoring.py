@@ -36,16 +36,18 @@ class Candidate:
     load: float  # legs the router has in flight on it plus its own waiting queue
     rank: tuple[Any, ...]  # the load-only order, least first
     hit_blocks: int = 0
+    closeness: int = 0  # topology levels shared with its peer (router/topology.py)
 
 
 def pick(candidates: Sequence[Candidate], load_bound: float) -> Candidate:
-    """The candidate with the most prefix blocks among those within `load_bound` of the least load;
-    ties (and no prefix anywhere) go by the load-only rank."""
+    """Among the candidates within `load_bound` of the least load: the closest to its peer (same zone,
+    then same network spine: a cross-zone pair cannot transfer over EFA), then the one holding the most
+    prefix blocks; ties (no topology, no prefix) go by the load-only rank."""
     if not candidates:
         raise ValueError("pick needs at least one candidate")
     least = min(c.load for c in candidates)
     eligible = [c for c in candidates if c.load <= least + load_bound]
-    return min(eligible, key=lambda c: (-c.hit_blocks, c.rank))
+    return min(eligible, key=lambda c: (-c.closeness, -c.hit_blocks, c.rank))
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import itertools
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvferry.router import scoring
+from kvferry.router import scoring, topology
 from kvferry.router.config import Endpoint
 from kvferry.router.discovery import Pool
 from kvferry.router.prefix import PrefixIndex, PromptKeys
@@ -152,12 +153,24 @@ class Selector:
         paired = [d for d in decodes if d.revision in revisions]
         if not paired:
             raise OverloadedError("prefill", self.max_in_flight)
-        decode, decode_hit = self._pick(self._usable(paired, now), keys)
+        prefills = self._usable(prefills, now)
+
+        # D's closeness: to the nearest P it could pair with; P's: to the chosen D (topology.py).
+        def nearest_p(d: Endpoint) -> int:
+            return max(
+                topology.closeness(d.topology, p.topology) for p in prefills if p.revision == d.revision
+            )
+
+        decode, decode_hit = self._pick(self._usable(paired, now), keys, nearest_p)
         prefills = [p for p in prefills if p.revision == decode.revision]
-        prefill, prefill_hit = self._pick(self._usable(prefills, now), keys)
+        prefill, prefill_hit = self._pick(
+            prefills, keys, lambda p: topology.closeness(p.topology, decode.topology)
+        )
         return Choice(prefill, decode, prefill_hit, decode_hit)
 
-    def _pick(self, candidates: list[Endpoint], keys: PromptKeys | None) -> tuple[Endpoint, int]:
+    def _pick(
+        self, candidates: list[Endpoint], keys: PromptKeys | None, close: Callable[[Endpoint], int]
+    ) -> tuple[Endpoint, int]:
         index = self.index
 
         def held(e: Endpoint) -> int:
@@ -168,7 +181,8 @@ class Selector:
             chosen = ordered[next(self._rr[ordered[0].role]) % len(ordered)]
             return chosen, held(chosen)
         scored = [
-            scoring.Candidate(e, self.tracker.load(e), self.tracker.score(e), held(e)) for e in candidates
+            scoring.Candidate(e, self.tracker.load(e), self.tracker.score(e), held(e), close(e))
+            for e in candidates
         ]
         best = scoring.pick(scored, self.load_bound)
         return best.endpoint, best.hit_blocks
