@@ -93,7 +93,7 @@ def merge(spec: Spec, role_name: str, registry: str = images.DEFAULT_REGISTRY) -
 
     registry: where kvferry's own images are pulled from (a preset's `image: {kvferry: vllm}`).
     """
-    preset = load(spec.accelerator)
+    preset = load(spec.role_accelerator(role_name))  # a role may run on another preset of its family
     role: Role = getattr(spec, role_name)
     accel: dict[str, Any] = preset.get("accelerator") or {}  # cpu and none have no devices
     # Per pod: a role wider than one node has one pod per node (groups.py), each with its share of TP.

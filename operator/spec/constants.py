@@ -15,6 +15,11 @@ MAX_TP = {"p5en": 8, "p5": 8, "trn2": 64, "trn1": 32, "cpu": 64, "none": 64}
 # tensorParallelSize a whole multiple of MAX_TP, at most MAX_GROUP_NODES nodes per replica.
 MULTI_NODE_ACCELERATORS = ("p5en", "p5", "trn2")
 MAX_GROUP_NODES = 8
+# Presets one role may swap for another (spec.<role>.accelerator): same GPU vendor and CUDA vLLM image,
+# NIXL over LIBFABRIC on EFA, GPUDirect buffers, one node's TP limit; the kvferry connector maps the
+# KV layouts between them (block sizes, TP). Any other mix has no layout the connector can map or no
+# NIXL backend both ends share (cpu: UCX; Neuron and CUDA caches differ), and is refused.
+ACCELERATOR_FAMILIES = (("p5en", "p5"),)
 MODES = ("push", "pull")
 CONNECTORS = ("kvferry", "vllm")
 BACKENDS = ("LIBFABRIC", "UCX")

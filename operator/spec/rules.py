@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvferry.operator.flags import OWNED_FLAGS, SHORT_ALIASES, cel_no_owned_flags, owned_flags_in
 from kvferry.operator.spec.autoscaling import Autoscaling
 from kvferry.operator.spec.constants import (
+    ACCELERATOR_FAMILIES,
     EFA_ACCELERATORS,
     MAX_GROUP_NODES,
     MAX_NAME_LEN,
@@ -43,7 +44,51 @@ def _whole_nodes(s: Spec) -> bool:
     return multi and tp % per_node == 0 and tp <= per_node * MAX_GROUP_NODES
 
 
+def _cel_list(items: tuple[str, ...] | list[str]) -> str:
+    return "[" + ", ".join(f"'{a}'" for a in items) + "]"
+
+
+def _role_preset_fits(s: Spec, role: str) -> bool:
+    """A role's own preset is the service's, or of the service's family (ACCELERATOR_FAMILIES)."""
+    own = getattr(s, role).accelerator
+    return (
+        own is None
+        or own == s.accelerator
+        or any({own, s.accelerator} <= set(f) for f in ACCELERATOR_FAMILIES)
+    )
+
+
+def _role_preset_rule(role: str) -> Rule:
+    same_family = " || ".join(
+        f"(self.{role}.accelerator in {_cel_list(f)} && self.accelerator in {_cel_list(f)})"
+        for f in ACCELERATOR_FAMILIES
+    )
+    families = "; ".join(" with ".join(f) for f in ACCELERATOR_FAMILIES)
+    return Rule(
+        f".{role}.accelerator",
+        f"!has(self.{role}.accelerator) || self.{role}.accelerator == self.accelerator || {same_family}",
+        f"{role}.accelerator may differ from spec.accelerator only within a family whose KV layouts the "
+        f"kvferry connector maps ({families}); other mixes share no NIXL backend or cache layout",
+        lambda s: _role_preset_fits(s, role),
+    )
+
+
+_P_PRESET = "(has(self.prefill.accelerator) ? self.prefill.accelerator : self.accelerator)"
+_D_PRESET = "(has(self.decode.accelerator) ? self.decode.accelerator : self.accelerator)"
+
 RULES: list[Rule] = [
+    _role_preset_rule("prefill"),
+    _role_preset_rule("decode"),
+    Rule(
+        ".kvTransfer.connector",
+        f"{_P_PRESET} == {_D_PRESET} || self.kvTransfer.connector == 'kvferry'",
+        "prefill and decode on different accelerator presets need the kvferry connector (the vllm "
+        "connectors need identical KV layouts on both sides)",
+        lambda s: (
+            s.role_accelerator("prefill") == s.role_accelerator("decode")
+            or s.kv_transfer.connector == "kvferry"
+        ),
+    ),
     Rule(
         ".decode.tensorParallelSize",
         "self.kvTransfer.connector == 'kvferry' || "

@@ -93,6 +93,13 @@ class Role:
         "spec",
         enum=["spec", "autoscaler"],
     )
+    accelerator: str | None = f(
+        "This role's hardware preset when it differs from spec.accelerator (e.g. prefill on p5en, "
+        "decode on p5); only presets whose KV layouts the kvferry connector maps: p5en with p5. "
+        "Unset: spec.accelerator.",
+        None,
+        enum=list(ACCELERATORS),
+    )
     tensor_parallel_size: int = f(
         "Tensor-parallel size per engine (accelerators, or NeuronCores on Trainium). Beyond one node "
         "(decode only, p5en/p5/trn2): whole nodes, one pod each, as a LeaderWorkerSet group per replica.",
@@ -210,3 +217,8 @@ class Spec:
     autoscaling: Autoscaling | None = f(
         "Scale prefill and decode to latency targets (docs/autoscaling.md); unset = replicas as given.", None
     )
+
+    def role_accelerator(self, role: str) -> str:
+        """The preset `role` (prefill/decode) runs on: its own, else the service's."""
+        own: str | None = getattr(self, role).accelerator
+        return own or self.accelerator

@@ -151,6 +151,22 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         make_inference("bad24", placement={"sameZone": "always"}).obj(),
         "spec.placement.sameZone",
     ),
+    # Heterogeneous roles (#20): only presets whose KV layouts the connector maps, only with it.
+    (
+        "prefill-on-cpu-decode-on-p5en",
+        make_inference("bad25", accelerator="p5en").prefill(accelerator="cpu").obj(),
+        "spec.prefill.accelerator",
+    ),
+    (
+        "decode-on-trn2-prefill-on-p5en",
+        make_inference("bad26", accelerator="p5en").decode(accelerator="trn2").obj(),
+        "spec.decode.accelerator",
+    ),
+    (
+        "mixed-presets-upstream-connector",
+        make_inference("bad27", accelerator="p5en").kv(connector="vllm").decode(accelerator="p5").obj(),
+        "spec.kvTransfer.connector",
+    ),
 ]
 
 VALID = {
@@ -167,6 +183,7 @@ VALID = {
     .obj(),
     "decode-spans-two-p5en": make_inference("ok6", accelerator="p5en").decode(tensorParallelSize=16).obj(),
     "decode-spans-two-trn2": make_inference("ok7", accelerator="trn2").decode(tensorParallelSize=128).obj(),
+    "prefill-p5en-decode-p5": make_inference("ok9", accelerator="p5en").decode(accelerator="p5").obj(),
     "placement-required": make_inference(
         "ok8", placement={"sameZone": "required", "networkTopology": "none"}
     ).obj(),
