@@ -414,7 +414,9 @@ class Endpoint:
             self.metrics.record("receive_wait", action.wait_s)
             self._publish(lambda r: r.received.append(action.key))
         elif isinstance(action, P.Failed):
-            self._recv.pop(action.key, None)
+            info = self._recv.pop(action.key, None)
+            for rank in action.silent if info is not None else ():
+                self.peers.forget_address(info[0], info[1] + rank)  # re-handshake before the next use
             self.metrics.record("failures", 1, self.role, action.reason)
             log_limited(log, logging.WARNING, ("failed", action.reason), "kvferry: receive of %s failed: %s",
                         action.key, action.reason)  # fmt: skip

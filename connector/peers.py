@@ -59,6 +59,11 @@ class Peers:
         """A send to `agent` failed: the next use fetches the peer again (prune() unloads it)."""
         self._known = {k: v for k, v in self._known.items() if v[1] != agent}
 
+    def forget_address(self, host: str, port: int) -> None:
+        """The peer at host:port never answered us: its connection may be broken without a send ever
+        failing (a notification posted on a dead endpoint), so the next use fetches it again."""
+        self._known.pop((host, port), None)
+
     def prune(self, transport: NixlTransport, busy: set[str], now: float) -> list[str]:
         """Unload agents no address maps to any more (forgotten, replaced) and agents of peers unused
         for `peer_idle_s`; never one in `busy` (a WRITE to it is in flight). Returns the unloaded."""

@@ -91,10 +91,12 @@ class Received:
 
 @dataclass(frozen=True)
 class Failed:
-    """Consumer: `key` will not be (fully) received; the caller reports a load failure."""
+    """Consumer: `key` will not be (fully) received; the caller reports a load failure. `silent`: the
+    producer ranks that never answered at all (their connection may be broken: fetch them again)."""
 
     key: Key
     reason: str
+    silent: tuple[int, ...] = ()
 
 
 Action = StartWrite | SendFailure | Release | Reject | Register | SendCancel | Received | Failed
@@ -478,7 +480,7 @@ class ConsumerCore:
                 ranks = self._outstanding(entry)
                 out.append(Reject("unanswered", f"{key}: producer ranks {list(ranks)} never answered; "
                                   f"blocks released {self.limits.grace_s}s after the deadline"))  # fmt: skip
-                out.append(Failed(key, "deadline"))
+                out.append(Failed(key, "deadline", tuple(sorted(ranks))))
             elif entry.quarantine_until is None and now >= entry.deadline:
                 # Outstanding ranks remain (else it settled): stop them, then wait for their answers.
                 out += [SendCancel(key, self._outstanding(entry))] if not entry.cancelled else []

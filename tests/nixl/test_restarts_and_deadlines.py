@@ -78,6 +78,15 @@ def test_a_frozen_producer_never_writes_after_the_consumers_deadline(procs):
     assert metric_sum(parse_metrics(prod.call("metrics")), "kvferry_transfers_total") == 1  # warm only
     assert cons.call("mismatches", blocks, 40) > 0  # nothing landed in D's released blocks
 
+    # P never answered at all, so its connection may be broken without any send having failed: D
+    # fetches P again before it next registers there, and that request is served.
+    def handshakes():
+        return metric_sum(parse_metrics(cons.call("metrics")), "kvferry_handshakes_total", result="ok")
+
+    before = handshakes()
+    assert transfer(prod, cons, "next", blocks=(4, 5, 6))["received"] == [("next", 0)]
+    assert cons.call("mismatches", [4, 5, 6], 40) == 0 and handshakes() == before + 1
+
 
 BIG = CacheShape(layers=8, heads=16, head_dim=128, num_blocks=72, block_size=16)  # 2 MiB a block
 

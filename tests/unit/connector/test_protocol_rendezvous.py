@@ -181,7 +181,9 @@ def test_quarantine_ends_after_grace_when_a_producer_never_answers():
     assert c.tick(now=3.9) == []
     out = c.tick(now=4.0)
     assert kinds(out) == ["Reject", "Failed"] and out[0].reason == "unanswered"
-    assert out[1] == Failed(("r", 0), "deadline") and c.pending()["receives"] == 0
+    # Rank 1 never answered at all (not even a Failure): its connection may be broken, the endpoint
+    # fetches that rank again before it next registers with it; rank 0 answered and is left alone.
+    assert out[1] == Failed(("r", 0), "deadline", silent=(1,)) and c.pending()["receives"] == 0
 
 
 def test_kv_that_fully_lands_during_quarantine_is_received():
