@@ -5,7 +5,8 @@ pair of one mode with default settings. A test asks for one with the marker
 `@pytest.mark.shared_stack("kvferry")` and the fixture `shared_stack`:
 
 - collection moves the tests of one key next to each other (at its first test's place), so each pair
-  starts once;
+  starts once; tests marked `shared_stack(key, breaks=True)` (they kill or restart engines) go last,
+  so the others see the pair as it started;
 - the pair is stopped as soon as the next test does not use it, so two pairs never live at once
   (~3 GiB per server) and no other test's CPU is shared with an idle pair;
 - each test gets it live and idle (`PdStack.revive`: a paused engine resumed, a killed one restarted)
@@ -44,6 +45,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             groups.setdefault(key, []).append(item)
     if not groups:
         return
+    for group in groups.values():  # tests that kill or restart engines last (stable within each)
+        group.sort(key=lambda item: bool(item.get_closest_marker("shared_stack").kwargs.get("breaks")))
     out: list[pytest.Item] = []
     for item in items:
         key = key_of(item)

@@ -24,7 +24,7 @@ from tests.waiting import wait_until
 from .pdclient import completion_body
 
 # Setup starts vLLM servers: on a shared 2-core host that alone can take minutes.
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800), pytest.mark.shared_stack("vllm-push")]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800), pytest.mark.shared_stack("vllm-push", breaks=True)]
 DEADLINES = {"prefill_s": 20, "decode_first_token_s": 10, "transfer_s": 10, "total_s": 45}
 
 

@@ -42,7 +42,7 @@ CONFIG = soak.Config(
 )
 
 
-@pytest.mark.shared_stack("kvferry")
+@pytest.mark.shared_stack("kvferry", breaks=True)
 def test_short_soak_loses_nothing_and_settles(
     shared_stack: PdStack, tiny_model: Path, tmp_path: Path, record_property: Any
 ) -> None:
