@@ -170,7 +170,8 @@ def comparison(results: dict[str, list[loadbench.Cell]]) -> str:
         head += [f"overhead vs {b} kvferry/push"] if ratio else []
     head += ["TTFT kvferry/push", "TPOT kvferry/push"] if ratio else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    ttft = lambda m, i: results[m][i].ttft_ms["p50"]  # noqa: E731
+    # A cell where a mode failed requests measured only its survivors: its TTFT reads n/a.
+    ttft = lambda m, i: results[m][i].ttft_ms["p50"] if _served_all(results[m][i]) else math.nan  # noqa: E731
     for i, cell in enumerate(results[modes[0]]):
         row = [str(cell.length), f"{cell.rate:g}"] + [f"{ttft(m, i):.1f}" for m in modes]
         for b in bases:
@@ -179,17 +180,23 @@ def comparison(results: dict[str, list[loadbench.Cell]]) -> str:
                 row.append(_ratio(ttft("kvferry", i) - ttft(b, i), ttft("vllm-push", i) - ttft(b, i)))
         if ratio:
             k, p = results["kvferry"][i], results["vllm-push"][i]
-            row += [_ratio(k.ttft_ms["p50"], p.ttft_ms["p50"]), _ratio(k.tpot_ms["p50"], p.tpot_ms["p50"])]
+            tpot = p.tpot_ms["p50"] if _served_all(p) else math.nan
+            row += [_ratio(ttft("kvferry", i), ttft("vllm-push", i)), _ratio(k.tpot_ms["p50"], tpot)]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 
 def _best(cells: dict[str, Any], get: Callable[[Any], float], low: bool) -> tuple[float, str]:
-    """The best value among the upstream modes' cells and which mode had it (NaN when none ran)."""
-    values = [(get(c), m) for m, c in cells.items() if not math.isnan(get(c))]
+    """The best value among the upstream modes' cells that served every request, and which mode had it
+    (NaN when none did): a mode that failed requests in a cell measured only its survivors."""
+    values = [(get(c), m) for m, c in cells.items() if _served_all(c) and not math.isnan(get(c))]
     if not values:
-        return math.nan, "-"
+        return math.nan, "none served every request"
     return min(values) if low else max(values)
+
+
+def _served_all(cell: Any) -> bool:
+    return cell.ok > 0 and cell.failed == 0
 
 
 def versus_best(results: dict[str, list], client: str) -> str:
@@ -205,12 +212,17 @@ def versus_best(results: dict[str, list], client: str) -> str:
         ("req/s", lambda c: c.req_per_s if c.ok else math.nan, False),
     )
     head = ["prompt", "rate"] + [f"{name} kvferry / best upstream" for name, _, _ in metrics]
+    head.append("upstream left out (failed requests)")
     lines = [f"#### Client: {client}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, k in enumerate(results["kvferry"]):
         row = [str(k.length), f"{k.rate:g}"]
+        cells = {m: results[m][i] for m in ups}
         for _, get, low in metrics:
-            best, mode = _best({m: results[m][i] for m in ups}, get, low)
-            row.append(f"{get(k):.1f} / {best:.1f} ({mode}) = {_ratio(get(k), best)}")
+            best, mode = _best(cells, get, low)
+            ok = "" if _served_all(k) else f" (kvferry failed {k.failed})"
+            row.append(f"{get(k):.1f} / {best:.1f} ({mode}) = {_ratio(get(k), best)}{ok}")
+        out = [f"{m} {c.failed}/{c.ok + c.failed}" for m, c in cells.items() if not _served_all(c)]
+        row.append(", ".join(out) or "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 

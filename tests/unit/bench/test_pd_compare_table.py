@@ -54,14 +54,30 @@ def bench_cell(ttft: float, p99: float, tpot: float, rps: float, ok: int = 10):
 def test_kvferry_is_held_against_the_best_upstream_mode_of_each_metric() -> None:
     results = {
         "vllm-pull": bench_cell(100.0, 300.0, 9.0, 3.5),
-        "vllm-push": bench_cell(90.0, 400.0, 10.0, 3.0, ok=0),  # wedged: no throughput to compare
+        "vllm-push": bench_cell(80.0, 200.0, 8.0, 3.0),
         "kvferry": bench_cell(120.0, 240.0, 9.0, 3.8),
     }
     row = pd_compare.versus_best(results, "vllm").splitlines()[4]
     assert row == (
-        "| 1024 | 4 | 120.0 / 90.0 (vllm-push) = 1.33 | 240.0 / 300.0 (vllm-pull) = 0.80 | "
-        "9.0 / 9.0 (vllm-pull) = 1.00 | 3.8 / 3.5 (vllm-pull) = 1.09 |"
+        "| 1024 | 4 | 120.0 / 80.0 (vllm-push) = 1.50 | 240.0 / 200.0 (vllm-push) = 1.20 | "
+        "9.0 / 8.0 (vllm-push) = 1.12 | 3.8 / 3.5 (vllm-pull) = 1.09 | - |"
     )
+
+
+def test_a_mode_that_failed_requests_in_a_cell_is_never_the_best_of_it() -> None:
+    # Wedged push served 2 of 10 quickly before it stopped answering: those two are not its latency.
+    results = {
+        "vllm-pull": bench_cell(100.0, 300.0, 9.0, 3.5),
+        "vllm-push": bench_cell(90.0, 100.0, 5.0, 9.0, ok=2),
+        "kvferry": bench_cell(120.0, 240.0, 9.0, 3.8),
+    }
+    row = pd_compare.versus_best(results, "vllm").splitlines()[4]
+    assert row == (
+        "| 1024 | 4 | 120.0 / 100.0 (vllm-pull) = 1.20 | 240.0 / 300.0 (vllm-pull) = 0.80 | "
+        "9.0 / 9.0 (vllm-pull) = 1.00 | 3.8 / 3.5 (vllm-pull) = 1.09 | vllm-push 8/10 |"
+    )
+    only_push = {"vllm-push": results["vllm-push"], "kvferry": results["kvferry"]}
+    assert "(none served every request) = n/a" in pd_compare.versus_best(only_push, "vllm")
 
 
 def test_vllm_bench_serve_results_are_read_by_name() -> None:
