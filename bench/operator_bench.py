@@ -1,19 +1,24 @@
-"""Operator benchmark: N CRs applied at once under kwok, the design before issue 19 and the current one
-side by side in one run (each on a fresh control plane, same N, same nodes):
+"""Operator benchmark: N CRs applied at once under kwok, the design before issue 19, the current one and
+the control plane's floor side by side in one run (each on a fresh control plane, same N, same nodes):
 
 - time from the first CR's creation (8 concurrent clients) to all objects present, and to all CRs Ready;
 - full reconciles per CR (create/update/resume/resync/drift), API requests per full reconcile and per CR;
-- the operator's peak memory (VmHWM);
+- the operator's peak memory (VmHWM), and per CR above its idle RSS;
+- CPU seconds of the API server, the controller-manager and the operator (or floor client) meanwhile;
 - status lag: seconds from a transfer-metrics change of one CR (a local metrics server stands in for its
   engines, or for its router) to that CR's status showing it.
 
 "before" is the same code with KVFERRY_LEGACY_RECONCILE=true (every object applied on every reconcile,
 one status patch per workload event, a render per owned event) and KVFERRY_TRANSFER_SOURCE=pods;
-"after" is the default. Runs a private control plane (real apiserver/etcd/KCM/scheduler, kwok nodes) and
-`kvferry operator` as a subprocess; prints figures, asserts nothing about time. Everything started here
-is stopped by PID.
+"after" is the default; "after@REV" is the after design with the operator's code at git REV (to compare
+a change side by side). "floor" runs no operator: a plain client (a subprocess, 8 threads, as the
+operator's 8 reconcile threads) creates, for each CR as its create returns, exactly the objects the
+operator renders (operator/render), one create request per object as the operator's first reconcile
+does; a CR counts as Ready when its StatefulSets and Deployment have readyReplicas == replicas.
+Runs a private control plane (real apiserver/etcd/KCM/scheduler, kwok nodes) and `kvferry operator` as
+a subprocess; prints figures, asserts nothing about time. Everything started here is stopped by PID.
 
-    python bench/operator_bench.py [--crs 1000] [--designs before,after] [--timeout 900]
+    python bench/operator_bench.py [--crs 1000] [--designs floor,after,before] [--timeout 900]
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,7 +44,7 @@ from kubernetes import client
 from kvferry.local.controlplane import ControlPlane
 from kvferry.local.controlplane.processes import reserve_ports
 from kvferry.operator import names
-from kvferry.operator.apply import RENDERED_KINDS, Kube
+from kvferry.operator.apply import RENDERED_KINDS, Kube, KubeError
 from kvferry.operator.render.objects import render
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 
@@ -50,6 +56,7 @@ FULL = ("create", "update", "resume", "resync", "drift")
 DESIGNS = {
     "before": {"KVFERRY_LEGACY_RECONCILE": "true", "KVFERRY_TRANSFER_SOURCE": "pods"},
     "after": {},
+    "floor": {},  # no operator: see floor_client
 }
 METRICS_INTERVAL_S = 30.0  # both designs (the default); the lag figure includes up to one interval
 LAG_CR = "b-0000"
@@ -157,18 +164,95 @@ def requests_and_reconciles(metrics: dict[str, float]) -> tuple[float, dict[str,
     return requests, reconciles
 
 
-def peak_rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmHWM") -> float:
+    """VmHWM (peak) or VmRSS (now) of a process, in MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def workloads_ready(api: client.ApiClient, per_cr: int) -> int:
+    """CRs whose `per_cr` StatefulSets/Deployments all exist with readyReplicas == replicas (the floor's
+    Ready: no operator writes status there)."""
+    ready: dict[str, int] = {}
+    for kind in ("StatefulSet", "Deployment"):
+        path = f"{Kube.path(kind, NS)}?labelSelector={names.LABEL_MANAGED_BY}%3D{names.MANAGED_BY}"
+        data = api.call_api(*api.param_serialize("GET", path, auth_settings=["BearerToken"]))
+        data.read()
+        for item in json.loads(data.data)["items"]:
+            want, st = item["spec"].get("replicas", 1), item.get("status") or {}
+            owner = (item["metadata"].get("ownerReferences") or [{}])[0].get("name", "")
+            if st.get("readyReplicas", 0) == want and st.get("observedGeneration") == item["metadata"].get(
+                "generation"
+            ):
+                ready[owner] = ready.get(owner, 0) + 1
+    return sum(count >= per_cr for count in ready.values())
+
+
+def floor_client(kubeconfig: str, n: int) -> int:
+    """The floor's client (run as a subprocess): on "go" from stdin, CREATE_CLIENTS threads create the
+    CRs; as each create returns, another CREATE_CLIENTS threads (the operator's reconcile threads)
+    create what render makes of it, one request per object (Kube.apply of an unseen object, as the
+    operator's first reconcile). Prints a JSON line: requests, peak memory, CPU seconds, errors."""
+    kube = Kube.from_kubeconfig(kubeconfig)
+    custom = client.CustomObjectsApi(kube.api)
+    errors: list[str] = []
+
+    def objects_of(created: dict) -> None:
+        for obj in render(created).objects:
+            try:
+                kube.apply(obj, absent=True)
+            except KubeError as exc:  # counted, not retried: the floor is what the server takes at once
+                errors.append(str(exc))
+
+    def create(body: dict) -> dict:
+        created = custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, body)
+        done.append(time.monotonic())
+        return created
+
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0, done = time.monotonic(), []
+    with ThreadPoolExecutor(CREATE_CLIENTS) as applier, ThreadPoolExecutor(CREATE_CLIENTS) as creator:
+        futures = [creator.submit(create, cr(f"b-{i:04d}")) for i in range(n)]
+        applies = [applier.submit(objects_of, f.result()) for f in futures]
+        for f in applies:
+            f.result()
+    pid = os.getpid()
+    out = {"requests": kube.total_requests(), "peak_rss_mib": rss_mib(pid), "cpu_s": cpu_s(pid)}
+    out["created_s"] = max(done) - t0
+    print(json.dumps({**out, "errors": len(errors), "first_error": errors[:1]}), flush=True)
+    return 0
+
+
+def source_at(rev: str, workdir: Path) -> Path:
+    """The repo's tree at `rev` as an importable `kvferry` package (a directory to put on PYTHONPATH:
+    it is found before the editable install, which the venv appends to the import path)."""
+    root = workdir / f"src-{rev}"
+    if not root.exists():
+        (root / "kvferry").mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(root / "kvferry")], input=archive.stdout, check=True)
+    return root
 
 
 def start_operator(
     plane: ControlPlane, design: str, engines: Engines, port: int, log: Path
 ) -> subprocess.Popen:
+    base, _, rev = design.partition("@")  # "after@<rev>": the after design, the operator's code at <rev>
+    paths = [str(source_at(rev, log.parent))] if rev else []
+    paths += [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    pythonpath = {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("KVFERRY_")},
+        **pythonpath,
         "KVFERRY_METRICS_PORT": str(port),
         "KVFERRY_METRICS_HOST": "127.0.0.1",
         "KVFERRY_METRICS_INTERVAL": str(METRICS_INTERVAL_S),
@@ -178,7 +262,7 @@ def start_operator(
         # kwok pods serve nothing and their IPs are not ours to reach: both designs read loopback.
         "KVFERRY_METRICS_URL": f"http://127.0.0.1:{engines.port}/engine/{{pod}}",
         "KVFERRY_POOL_METRICS_URL": f"http://127.0.0.1:{engines.port}/pool/{{pod}}",
-        **DESIGNS[design],
+        **DESIGNS[base],
     }
     argv = [shutil.which("kvferry") or "kvferry", "operator", "--standalone", "-n", NS]
     argv += ["--kubeconfig", str(plane.kubeconfig)]
@@ -205,31 +289,61 @@ def run_design(design: str, n: int, cpu_nodes: int, timeout_s: float, workdir: P
     print(f"[{design}] starting a control plane with {cpu_nodes} kwok nodes", flush=True)
     plane = ControlPlane({"cpu": cpu_nodes})
     engines = Engines()
-    operator: subprocess.Popen | None = None
+    proc: subprocess.Popen | None = None  # the operator, or the floor's client
     out: dict[str, Any] = {"design": design, "crs": n}
     try:
         plane.start(workdir / design / "plane")
         plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds/disaggregatedinferences.yaml"))
         plane.kubectl("wait", "--for=condition=Established", f"crd/{PLURAL}.{GROUP}", "--timeout=60s")
         plane.kubectl("create", "namespace", NS)
+        planes = {k: plane.procs[k].pid for k in ("kube-apiserver", "kube-controller-manager")}
         (port,) = reserve_ports(1)
-        operator = start_operator(plane, design, engines, port, workdir / f"operator-{design}.log")
-        if wait(lambda: _up(port), "operator metrics endpoint", 60) is None:
-            raise RuntimeError(f"operator did not start; log: {workdir / f'operator-{design}.log'}")
+        if design == "floor":
+            argv = [sys.executable, __file__, "--floor-client", str(plane.kubeconfig), "--crs", str(n)]
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdout.readline()  # "ready": imports done
+        else:
+            proc = start_operator(plane, design, engines, port, workdir / f"operator-{design}.log")
+            if wait(lambda: _up(port), "operator metrics endpoint", 60) is None:
+                raise RuntimeError(f"operator did not start; log: {workdir / f'operator-{design}.log'}")
+            time.sleep(5)  # settled after its start-up
+            out["idle_rss_mib"] = rss_mib(proc.pid, "VmRSS")
+        planes["client"] = proc.pid
+        cpu0 = {k: cpu_s(pid) for k, pid in planes.items() if pid}
         with plane.admin_client() as api:
             custom = client.CustomObjectsApi(api)
-            req0, rec0 = requests_and_reconciles(operator_metrics(port))
-            crs = [cr(f"b-{i:04d}") for i in range(n)]
             t0 = time.monotonic()
-            create_all(custom, crs)
-            out["apply_s"] = time.monotonic() - t0
-            want = len(render(cr("x")).objects) * n
+            if design == "floor":
+                proc.stdin.write("go\n")  # type: ignore[union-attr]
+                proc.stdin.flush()  # type: ignore[union-attr]
+            else:
+                req0, rec0 = requests_and_reconciles(operator_metrics(port))
+                create_all(custom, [cr(f"b-{i:04d}") for i in range(n)])
+                out["apply_s"] = time.monotonic() - t0
+            rendered = render(cr("x")).objects
+            want = len(rendered) * n
+            per_cr = sum(o["kind"] in ("StatefulSet", "Deployment") for o in rendered)
             left = lambda: max(timeout_s - (time.monotonic() - t0), 1)  # noqa: E731
             got = wait(lambda: count_objects(api) >= want, "all objects", left())
             out["objects_s"] = None if got is None else time.monotonic() - t0
-            got = wait(lambda: count_ready(custom) >= n, "all Ready", left())
+            ready = (
+                (lambda: workloads_ready(api, per_cr)) if design == "floor" else lambda: count_ready(custom)
+            )
+            got = wait(lambda: ready() >= n, "all Ready", left())
             out["ready_s"] = None if got is None else time.monotonic() - t0
-            out["ready_count"] = count_ready(custom)
+            out["ready_count"] = ready()
+            # The floor's client has exited by now: its CPU comes from its own report.
+            live = {k: pid for k, pid in planes.items() if k != "client" or design != "floor"}
+            out["cpu_s"] = {k: cpu_s(pid) - cpu0[k] for k, pid in live.items()}
+            if design == "floor":
+                report = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+                out.update({k: report[k] for k in ("requests", "peak_rss_mib", "created_s")})
+                out["cpu_s"]["client"] = report["cpu_s"] - cpu0["client"]
+                out["client_errors"] = report["errors"]
+                if report["errors"]:
+                    print(f"  floor client: {report['errors']} errors, first {report['first_error']}")
+                return out
             time.sleep(5)  # let trailing status events settle before counting
             req1, rec1 = requests_and_reconciles(operator_metrics(port))
             full = sum(rec1.get(k, 0) - rec0.get(k, 0) for k in FULL)
@@ -241,15 +355,15 @@ def run_design(design: str, n: int, cpu_nodes: int, timeout_s: float, workdir: P
             t1 = time.monotonic()
             lag = wait(lambda: transfers_shown(custom, LAG_CR) == 4242, "status lag", 120)
             out["lag_s"] = None if lag is None else time.monotonic() - t1
-            out["peak_rss_mib"] = peak_rss_mib(operator.pid)
+            out["peak_rss_mib"] = rss_mib(proc.pid)
     finally:
-        if operator is not None and operator.poll() is None:
-            operator.send_signal(signal.SIGTERM)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
             try:
-                operator.wait(30)
+                proc.wait(30)
             except subprocess.TimeoutExpired:
-                operator.kill()
-                operator.wait(10)
+                proc.kill()
+                proc.wait(10)
         engines.close()
         plane.stop()
     return out
@@ -269,27 +383,52 @@ def _fmt(value: Any, unit: str = "", digits: int = 1) -> str:
     return f"{value:.{digits}f}{unit}" if isinstance(value, float) else f"{value}{unit}"
 
 
+def _cell(fn: Any) -> Any:
+    """A table cell that shows "—" where a design has no such figure (the floor has no operator)."""
+
+    def cell(r: dict[str, Any]) -> str:
+        try:
+            return fn(r)
+        except KeyError:
+            return "—"
+
+    return cell
+
+
+def _per_cr_mib(r: dict[str, Any]) -> str:
+    return _fmt((r["peak_rss_mib"] - r["idle_rss_mib"]) / r["crs"], " MiB", 2)
+
+
+ROWS = [
+    ("all CRs created (8 clients)", lambda r: _fmt(r["apply_s"] if "apply_s" in r else r["created_s"], " s")),
+    ("all objects present (from the first create)", lambda r: _fmt(r["objects_s"], " s")),
+    (
+        "all CRs Ready (from the first create)",
+        lambda r: _fmt(r["ready_s"], " s") + f" ({r['ready_count']}/{r['crs']})",
+    ),
+    ("full reconciles per CR", lambda r: _fmt(r["full_reconciles"] / r["crs"], "", 2)),
+    ("API requests per full reconcile", lambda r: _fmt(r["requests"] / max(r["full_reconciles"], 1))),
+    ("API requests per CR", lambda r: _fmt(r["requests"] / r["crs"])),
+    ("peak memory (operator; floor: its client)", lambda r: _fmt(r["peak_rss_mib"], " MiB", 0)),
+    ("operator memory per CR (peak − idle)", _per_cr_mib),
+    ("CPU s to all Ready: API server", lambda r: _fmt(r["cpu_s"]["kube-apiserver"], " s", 0)),
+    (
+        "CPU s to all Ready: controller-manager",
+        lambda r: _fmt(r["cpu_s"]["kube-controller-manager"], " s", 0),
+    ),
+    ("CPU s to all Ready: operator (floor: client)", lambda r: _fmt(r["cpu_s"]["client"], " s", 0)),
+    ("status lag after a metrics change", lambda r: _fmt(r["lag_s"], " s")),
+    (
+        "reconciles by trigger",
+        lambda r: ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["by_trigger"].items())),
+    ),
+]
+
+
 def table(results: list[dict[str, Any]]) -> str:
-    rows = [
-        ("all CRs created (8 clients)", lambda r: _fmt(r["apply_s"], " s")),
-        ("all objects present (from the first create)", lambda r: _fmt(r["objects_s"], " s")),
-        (
-            "all CRs Ready (from the first create)",
-            lambda r: _fmt(r["ready_s"], " s") + f" ({r['ready_count']}/{r['crs']})",
-        ),
-        ("full reconciles per CR", lambda r: _fmt(r["full_reconciles"] / r["crs"], "", 2)),
-        ("API requests per full reconcile", lambda r: _fmt(r["requests"] / max(r["full_reconciles"], 1))),
-        ("API requests per CR", lambda r: _fmt(r["requests"] / r["crs"])),
-        ("operator peak memory", lambda r: _fmt(r["peak_rss_mib"], " MiB", 0)),
-        ("status lag after a metrics change", lambda r: _fmt(r["lag_s"], " s")),
-        (
-            "reconciles by trigger",
-            lambda r: ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["by_trigger"].items())),
-        ),
-    ]
     head = "| figure | " + " | ".join(r["design"] for r in results) + " |"
     lines = [head, "|---" * (len(results) + 1) + "|"]
-    lines += [f"| {name} | " + " | ".join(cell(r) for r in results) + " |" for name, cell in rows]
+    lines += [f"| {name} | " + " | ".join(_cell(fn)(r) for r in results) + " |" for name, fn in ROWS]
     return "\n".join(lines)
 
 
@@ -297,12 +436,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--crs", type=int, default=1000, help="CRs applied at once")
     p.add_argument("--cpu-nodes", type=int, default=0, help="kwok cpu nodes (110 pods each); 0 = enough")
-    p.add_argument("--designs", default="before,after", help="comma-separated: before, after")
+    p.add_argument(
+        "--designs",
+        default="floor,after",
+        help="comma-separated: floor, after, before; after@REV (before@REV): the operator's code at git REV",
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds per design from apply to all Ready")
     p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument("--floor-client", metavar="KUBECONFIG", help=argparse.SUPPRESS)  # the floor's subprocess
     args = p.parse_args(argv)
+    if args.floor_client:
+        return floor_client(args.floor_client, args.crs)
     designs = [d.strip() for d in args.designs.split(",") if d.strip()]
-    if unknown := [d for d in designs if d not in DESIGNS]:
+    if unknown := [d for d in designs if d.partition("@")[0] not in DESIGNS or d.startswith("floor@")]:
         p.error(f"unknown design(s) {unknown}; known: {sorted(DESIGNS)}")
     nodes = args.cpu_nodes or -(-(args.crs * PODS_PER_CR + 10) // 110)
     if args.crs * PODS_PER_CR > nodes * 110:
@@ -312,7 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="kvferry-opbench-") as tmp:
         for design in designs:
-            results.append(run_design(design, args.crs, nodes, args.timeout, Path(tmp)))
+            try:
+                results.append(run_design(design, args.crs, nodes, args.timeout, Path(tmp)))
+            except Exception:  # one design failing still leaves the others' figures
+                traceback.print_exc()
+                results.append({"design": f"{design} (failed)", "crs": args.crs})
             print(table(results), flush=True)
     print(
         f"\n{args.crs} CRs applied at once, {nodes} kwok nodes, metrics interval {METRICS_INTERVAL_S:.0f} s"

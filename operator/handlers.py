@@ -13,6 +13,7 @@ Handlers return None so kopf writes nothing into status; its progress lives in k
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import logging
@@ -146,6 +147,22 @@ def _stripped(body: Any) -> dict[str, Any]:
     return obj
 
 
+def _warnings_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING
+
+
+def quiet_kopf_events() -> None:
+    """Post only kopf's own warnings and errors as Kubernetes events, not its INFO lines.
+
+    kopf posts its object log lines as events; "Timer 'transfer-status' succeeded." every metrics
+    interval per CR is ~33 event writes a second at 1,000 CRs, through one posting queue. The
+    operator's own events (post(): kopf.info/kopf.warn) do not go through logging and are unaffected.
+    """
+    for handler in logging.getLogger("kopf.objects").handlers:
+        if type(handler).__name__ == "K8sPoster" and _warnings_only not in handler.filters:
+            handler.addFilter(_warnings_only)
+
+
 def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     """Attach every handler to `registry`, with intervals taken from `cfg`."""
     index, count = cfg.shard_of
@@ -166,7 +183,9 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         # Stop a deleted CR's timers promptly (kopf re-checks every 60 s by default).
         settings.background.cancellation_polling = 2
         settings.posting.level = 20  # INFO and up become Kubernetes events
+        quiet_kopf_events()
         settings.execution.max_workers = 8  # reconciles run in threads (the client is synchronous)
+        memo.executor = settings.execution.executor
         memo.kube = Kube.from_kubeconfig(cfg.kubeconfig or None)
         memo.kube.on_request = selfmetrics.record_request
         if cfg.peering and not cfg.standalone:  # startup runs before kopf starts peering
@@ -217,13 +236,18 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             memo.refreshes.close()
         memo.kube.close()
 
+    # Indexes and the workload-event sorter are async on purpose: kopf runs sync handlers on its 8 threads,
+    # where they would queue behind reconciles waiting on the API server, and every object's pending
+    # watch events (full bodies) would pile up meanwhile (issue 19: most of 1.1 GiB at 1,000 CRs).
     @kopf.index(*CR, id="inferences", when=mine, registry=registry)
-    def inferences(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict:
-        return {(namespace, name): _plain(body)}
+    async def inferences(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict:
+        cr = _plain(body)
+        cr["metadata"].pop("managedFields", None)  # never read; most of a CR's size after a few writes
+        return {(namespace, name): cr}
 
     @kopf.index("apps", "v1", "statefulsets", labels=MANAGED, id="owned", when=mine_owned, registry=registry)
     @kopf.index("apps", "v1", "deployments", labels=MANAGED, id="owned", when=mine_owned, registry=registry)
-    def owned(body: kopf.Body, **_: Any) -> dict:
+    async def owned(body: kopf.Body, **_: Any) -> dict:
         key = owner_key(body)
         role = body["metadata"].get("labels", {}).get(names.LABEL_ROLE)
         return {(*key, role): (_plain(body) if legacy else _stripped(body))} if key else {}
@@ -234,7 +258,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             @kopf.index(
                 group, version, plural, labels=MANAGED, id="copies", when=mine_owned, registry=registry
             )
-            def copies(body: kopf.Body, **_: Any) -> dict:
+            async def copies(body: kopf.Body, **_: Any) -> dict:
                 key = owner_key(body)
                 # Packed as JSON text: a parsed copy of every object of every CR is ~10x its text in
                 # memory, and the reconcile reads the copies of one CR at a time.
@@ -259,7 +283,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         @kopf.on.event(
             group, version, plural, labels=MANAGED, when=mine_owned, registry=registry, id=f"owned-{plural}"
         )
-        def owned_changed(
+        async def owned_changed(
             event: dict, body: kopf.Body, memo: kopf.Memo, inferences: kopf.Index, owned: kopf.Index, **_: Any
         ) -> None:
             key = owner_key(body)
@@ -285,7 +309,10 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             kw = {"event_type": event["type"], "obj": _plain(body), "watched": watched_by(owned, cr)}
             if memo.refreshes is not None:
                 kw["refresh"] = lambda: memo.refreshes.request(key)
-            outcome = timed("owned", lambda: reconcile.on_owned_change(memo.kube, cr, cfg, **kw))
+            run = lambda: timed("owned", lambda: reconcile.on_owned_change(memo.kube, cr, cfg, **kw))  # noqa: E731
+            # Render and apply block on the API server: on kopf's threads, with kopf's context (posting).
+            ctx = contextvars.copy_context()
+            outcome = await asyncio.get_running_loop().run_in_executor(memo.executor, ctx.run, run)
             post(_ref(cr), outcome)
 
     @kopf.timer(

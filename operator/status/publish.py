@@ -68,7 +68,10 @@ def _remember(kube: Kube, key: tuple[str, str], stored: Any) -> None:
         return
     with _written_lock:
         written.pop(key, None)
-        written[key] = {k: stored[k] for k in ("metadata", "spec", "status") if k in stored}
+        kept = {k: stored[k] for k in ("metadata", "spec", "status") if k in stored}
+        # managedFields are never read from it and, after a few writers, most of a CR's size.
+        kept["metadata"] = {k: v for k, v in stored["metadata"].items() if k != "managedFields"}
+        written[key] = kept
         while len(written) > WRITTEN_MAX:  # bounded: the oldest entries go first
             del written[next(iter(written))]
 
