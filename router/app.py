@@ -19,6 +19,7 @@ from kvferry.contracts.pods import POOL_METRICS_PATH
 from kvferry.router import params as legs
 from kvferry.router import poolstatus
 from kvferry.router.aggregate import Aggregator
+from kvferry.router.backlog import PrefillBacklog
 from kvferry.router.config import RouterConfig
 from kvferry.router.discovery import make_discovery
 from kvferry.router.dispatch import Dispatcher, OpenLeg, new_request_id
@@ -89,7 +90,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     try:
         plan = _plan(state, req)
         prefill, decode = plan.choice.prefill, plan.choice.decode
-        leg = await state["dispatcher"].run(req, prefill, decode, rid, decode_only=plan.decode_only)
+        leg = await state["dispatcher"].run(
+            req, prefill, decode, rid, decode_only=plan.decode_only, prefill_tokens=plan.prefill_tokens
+        )
         try:
             response, outcome = await _relay(request, leg, rid, state, started, cfg)
         except LegError as exc:  # an aggregated answer broke before anything reached the client
@@ -254,7 +257,9 @@ async def _on_startup(app: web.Application) -> None:
     # fails a leg as "unreachable". Expire ours first.
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
     state["session"] = aiohttp.ClientSession(connector=connector)
-    state["dispatcher"] = Dispatcher(app[CONFIG], state["session"], state["tracker"], state["metrics"])
+    state["dispatcher"] = Dispatcher(
+        app[CONFIG], state["session"], state["tracker"], state["metrics"], state["backlog"]
+    )
     await state["discovery"].start()
     state["scraper"] = asyncio.create_task(_scrape_loop(state))
 
@@ -278,11 +283,14 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     tracker, metrics, routing = LoadTracker(), RouterMetrics(), cfg.routing
     index = PrefixIndex(routing.index_blocks_per_engine) if routing.prefix_aware else None
     selector = Selector(cfg.policy, tracker, cfg.limits.max_in_flight_per_engine, index, routing.load_bound)
+    backlog = PrefillBacklog()
+    max_wait = cfg.limits.max_prefill_wait_s or cfg.deadlines.prefill_s
     app[STATE] = {
         "metrics": metrics,
         "tracker": tracker,
         "selector": selector,
-        "planner": Planner(routing, selector, index, metrics),
+        "backlog": backlog,
+        "planner": Planner(routing, selector, index, metrics, backlog, max_wait),
         "discovery": make_discovery(cfg.static, cfg.kubernetes),
     }
     app.router.add_post(legs.COMPLETIONS, _generate)

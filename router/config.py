@@ -74,9 +74,12 @@ class Limits(_Section, frozen=True, kw_only=True):
     """Overload control. The in-flight limit counts the legs this router has open on one engine
     (vLLM's default max_num_seqs is 256: beyond that requests only queue inside the engine). The
     recompute budget lets local recomputes add at most recompute_ratio of recent requests' work,
-    plus a burst of recompute_burst."""
+    plus a burst of recompute_burst. A request the prefill engine would queue longer than
+    max_prefill_wait_s (unset: deadlines.prefill_s, where its leg would time out anyway) is refused
+    with 429 before it costs anything (router/backlog.py)."""
 
     max_in_flight_per_engine: PositiveInt = 256
+    max_prefill_wait_s: Positive | None = None
     recompute_ratio: Fraction = 0.2
     recompute_burst: Count = 10
 

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 from kvferry.router import params as legs
 from kvferry.router.aggregate import can_aggregate, streaming_body
+from kvferry.router.backlog import PrefillBacklog
 from kvferry.router.budget import RecomputeBudget
 from kvferry.router.config import Endpoint, RouterConfig
 from kvferry.router.errors import RETRY_AFTER_S, ApiError, LegError
@@ -56,12 +57,14 @@ class Dispatcher:
     """Runs requests for one router; shared by all handlers."""
 
     def __init__(
-        self, cfg: RouterConfig, session: aiohttp.ClientSession, tracker: LoadTracker, metrics: RouterMetrics
-    ) -> None:
+        self, cfg: RouterConfig, session: aiohttp.ClientSession, tracker: LoadTracker, metrics: RouterMetrics,
+        backlog: PrefillBacklog | None = None,
+    ) -> None:  # fmt: skip
         self.cfg = cfg
         self.session = session
         self.tracker = tracker
         self.metrics = metrics
+        self.backlog = backlog or PrefillBacklog()
         self.detached: set[asyncio.Task[Any]] = set()
         self.budget = RecomputeBudget(cfg.limits.recompute_ratio, cfg.limits.recompute_burst)
 
@@ -100,11 +103,18 @@ class Dispatcher:
             leg, f"status_{resp.status}", f"{leg} {ep.engine_id} answered {resp.status}: {message}"
         )
 
-    async def prefill(self, ep: Endpoint, path: str, body: dict[str, Any], rid: str, timeout_s: float) -> Any:
-        """Run the 1-token prefill leg; returns the kv_transfer_params P answered with (or None)."""
+    async def prefill(
+        self, ep: Endpoint, path: str, body: dict[str, Any], rid: str, timeout_s: float, tokens: int = 0
+    ) -> Any:
+        """Run the 1-token prefill leg of a `tokens`-token prompt (to compute: hits excluded); returns
+        the kv_transfer_params P answered with (or None)."""
         self._begin(ep)
+        loop, completed = asyncio.get_running_loop(), False
+        self.backlog.started(ep.url, tokens, loop.time())
         try:
-            return await asyncio.wait_for(self._prefill_once(ep, path, body, rid), timeout_s)
+            params = await asyncio.wait_for(self._prefill_once(ep, path, body, rid), timeout_s)
+            completed = True
+            return params
         except asyncio.TimeoutError:
             self.tracker.mark_down(ep)  # slow P: steer the next requests elsewhere, recompute on D
             raise self._fail(
@@ -118,6 +128,7 @@ class Dispatcher:
             raise self._fail("prefill", "unreachable", f"prefill {ep.engine_id} failed: {exc!r}") from None
         finally:
             self._end(ep)
+            self.backlog.finished(ep.url, tokens, loop.time(), completed)
 
     async def _prefill_once(self, ep: Endpoint, path: str, body: dict[str, Any], rid: str) -> Any:
         async with await self._post(ep, path, body, rid) as resp:
@@ -199,10 +210,10 @@ class Dispatcher:
 
     async def run(
         self, req: legs.ClientRequest, prefill: Endpoint, decode: Endpoint, rid: str,
-        decode_only: bool = False,
+        decode_only: bool = False, prefill_tokens: int = 0,
     ) -> OpenLeg:  # fmt: skip
         """Both legs per mode (or decode alone, which prefills locally); on a retryable failure,
-        recompute locally on the other engine."""
+        recompute locally on the other engine. `prefill_tokens`: what P computes (backlog.py)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.deadlines.total_s
         self.budget.deposit()
@@ -210,8 +221,8 @@ class Dispatcher:
             if decode_only:
                 return await self._decode(req, decode, None, rid, deadline)
             if self.cfg.mode == "vllm-pull":
-                return await self._pull(req, prefill, decode, rid, deadline)
-            return await self._push(req, prefill, decode, rid, deadline)
+                return await self._pull(req, prefill, decode, rid, deadline, prefill_tokens)
+            return await self._push(req, prefill, decode, rid, deadline, prefill_tokens)
         except LegError as exc:
             remaining = deadline - loop.time()
             if not exc.retryable or remaining <= 1.0:
@@ -255,13 +266,14 @@ class Dispatcher:
         return self.open_decode(ep, req.path, body, rid, stream, timeout, aggregate)
 
     async def _push(
-        self, req: legs.ClientRequest, p: Endpoint, d: Endpoint, rid: str, deadline: float
+        self, req: legs.ClientRequest, p: Endpoint, d: Endpoint, rid: str, deadline: float, tokens: int
     ) -> OpenLeg:
         mode, dl = self.cfg.mode, self.cfg.deadlines
         p_body = legs.prefill_body(req.body, legs.prefill_params(mode, rid, 0, d, dl.transfer_s))
         d_params = legs.decode_params(mode, req.path, rid, 0, p, dl.transfer_s)
         remaining = deadline - asyncio.get_running_loop().time()
-        p_task = asyncio.create_task(self.prefill(p, req.path, p_body, rid, min(dl.prefill_s, remaining)))
+        p_leg = self.prefill(p, req.path, p_body, rid, min(dl.prefill_s, remaining), tokens)
+        p_task = asyncio.create_task(p_leg)
         # D waits for KV while P computes: until P's leg ends only the request's deadline bounds it.
         d_task = asyncio.create_task(self._decode(req, d, d_params, rid, deadline, first_token_bound=False))
         try:
@@ -306,12 +318,12 @@ class Dispatcher:
         raise self._fail("decode", "timeout", msg, status=504)
 
     async def _pull(
-        self, req: legs.ClientRequest, p: Endpoint, d: Endpoint, rid: str, deadline: float
+        self, req: legs.ClientRequest, p: Endpoint, d: Endpoint, rid: str, deadline: float, tokens: int
     ) -> OpenLeg:
         dl = self.cfg.deadlines
         p_body = legs.prefill_body(req.body, legs.prefill_params("vllm-pull", rid, 0, d, dl.transfer_s))
         remaining = deadline - asyncio.get_running_loop().time()
-        kv = await self.prefill(p, req.path, p_body, rid, min(dl.prefill_s, remaining))
+        kv = await self.prefill(p, req.path, p_body, rid, min(dl.prefill_s, remaining), tokens)
         if not isinstance(kv, dict) or not kv.get("do_remote_prefill"):
             hint = "is it a NixlConnector kv_producer?"
             msg = f"prefill {p.engine_id} returned no usable kv_transfer_params ({kv!r}); {hint}"

@@ -6,12 +6,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvferry.router import scoring
+from kvferry.router.backlog import PrefillBacklog
 from kvferry.router.config import Routing
 from kvferry.router.discovery import Pool
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.params import ClientRequest
 from kvferry.router.prefix import PrefixIndex, PromptKeys, prompt_keys, prompt_text
-from kvferry.router.selection import Choice, Selector
+from kvferry.router.selection import Choice, OverloadedError, Selector
+
+
+class PrefillQueueFullError(OverloadedError):
+    """The chosen prefill engine would queue the request longer than limits.max_prefill_wait_s."""
+
+    def __init__(self, engine_id: str, wait_s: float, limit_s: float) -> None:
+        Exception.__init__(
+            self,
+            f"prefill {engine_id} would start this request in ~{wait_s:.1f}s, over the limit of "
+            f"{limit_s:g}s (limits.max_prefill_wait_s); retry after a moment",
+        )
+        self.role = "prefill"
 
 
 @dataclass(frozen=True)
@@ -24,17 +37,25 @@ class Plan:
     def decode_only(self) -> bool:
         return self.decision.path == "decode_only"
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens prefill computes (the prefix it holds excluded)."""
+        return self.keys.tokens - self.keys.hit_tokens(self.choice.prefill_hit_blocks)
+
 
 class Planner:
     """Plans each request over the current pool and keeps the prefix index up to date."""
 
     def __init__(
-        self, routing: Routing, selector: Selector, index: PrefixIndex | None, metrics: RouterMetrics
-    ) -> None:
+        self, routing: Routing, selector: Selector, index: PrefixIndex | None, metrics: RouterMetrics,
+        backlog: PrefillBacklog | None = None, max_prefill_wait_s: float = 0.0,
+    ) -> None:  # fmt: skip
         self.routing = routing
         self.selector = selector
         self.index = index
         self.metrics = metrics
+        self.backlog = backlog
+        self.max_prefill_wait_s = max_prefill_wait_s
 
     def plan(self, pool: Pool, req: ClientRequest) -> Plan:
         r = self.routing
@@ -46,8 +67,18 @@ class Planner:
             d.rule, d.min_prefill_tokens, d.decode_hit_fraction, keys.tokens, d_hit, p_hit
         )
         plan = Plan(choice, decision, keys)
+        if not plan.decode_only:
+            self._admit(choice.prefill.url, choice.prefill.engine_id, plan.prefill_tokens)
         self._account(plan)
         return plan
+
+    def _admit(self, url: str, engine_id: str, tokens: int) -> None:
+        """Refuse now what the prefill engine could not start within the limit (429, nothing spent)."""
+        if self.backlog is None or not self.max_prefill_wait_s:
+            return
+        wait = self.backlog.wait_s(url, tokens)
+        if wait is not None and wait > self.max_prefill_wait_s:
+            raise PrefillQueueFullError(engine_id, wait, self.max_prefill_wait_s)
 
     def _account(self, plan: Plan) -> None:
         """Count how the request is served and what the chosen engines held; record that they hold it
@@ -65,5 +96,8 @@ class Planner:
 
     def forget(self, pool: Pool) -> None:
         """Drop the index entries of engines that left the pool."""
+        urls = {e.url for e in (*pool.prefill, *pool.decode)}
         if self.index is not None:
-            self.index.forget({e.url for e in (*pool.prefill, *pool.decode)})
+            self.index.forget(urls)
+        if self.backlog is not None:
+            self.backlog.forget(urls)
