@@ -59,9 +59,12 @@ class PrefillBacklog:
             e.window_busy_s, e.window_tokens = 0.0, 0
 
     def wait_s(self, url: str, tokens: int) -> float | None:
-        """Seconds until a new request of `tokens` would be prefilled there; None while unmeasured."""
+        """Seconds until a new request of `tokens` would be prefilled there; None while unmeasured or
+        while none of our legs is open there: an idle engine starts it at once, whatever the rate says
+        (after a stretch of failed legs the rate can be near 0, and refusing then would never let a
+        new measurement happen)."""
         e = self.engines.get(url)
-        if e is None or not e.rate:
+        if e is None or not e.rate or not e.legs:
             return None
         return (e.outstanding + tokens) / e.rate
 

@@ -22,12 +22,25 @@ def test_rate_is_tokens_per_busy_second_and_idle_gaps_do_not_dilute_it() -> None
     assert b.wait_s(URL, 100) is None  # nothing measured: never refuse on a guess
     b.started(URL, 300, now=0.0)
     b.finished(URL, 300, now=0.6)
+    b.started(URL, 1, now=1.0)
     assert b.wait_s(URL, 100) is None  # 0.6 s busy: the window is not full yet
-    b.started(URL, 200, now=10.0)  # 9.4 s idle in between
-    b.finished(URL, 200, now=10.4)
-    assert b.wait_s(URL, 100) == pytest.approx(100 / 500)  # 500 tokens in 1.0 busy second
+    b.finished(URL, 1, now=1.0)
+    b.started(URL, 199, now=10.0)  # 9.4 s idle in between
+    b.finished(URL, 199, now=10.4)
     b.started(URL, 400, now=11.0)
-    assert b.wait_s(URL, 100) == pytest.approx(500 / 500)  # 400 queued ahead, plus its own 100
+    assert b.wait_s(URL, 100) == pytest.approx(500 / 500)  # 500 tokens/busy s; 400 ahead + its 100
+
+
+def test_an_engine_with_none_of_our_legs_open_is_never_refused() -> None:
+    b = PrefillBacklog(window_s=1.0)
+    b.started(URL, 100, now=0.0)
+    b.finished(URL, 100, now=1.0)
+    for t in range(2, 12):  # P frozen: every leg times out, the rate falls towards 0
+        b.started(URL, 100, now=float(t))
+        b.finished(URL, 100, now=t + 1.0, completed=False)
+    assert b.wait_s(URL, 100) is None, "idle: it starts at once, and only admitted legs can re-measure it"
+    b.started(URL, 100, now=20.0)
+    assert b.wait_s(URL, 100) > 60  # busy and measured slow: this one would wait
 
 
 def test_overlapping_legs_count_their_busy_time_once() -> None:
@@ -36,7 +49,8 @@ def test_overlapping_legs_count_their_busy_time_once() -> None:
     b.started(URL, 100, now=0.2)
     b.finished(URL, 100, now=0.5)
     b.finished(URL, 100, now=1.0)  # busy 0.0-1.0: 200 tokens in 1 s (not in 1.3 s of leg time)
-    assert b.wait_s(URL, 200) == pytest.approx(1.0)
+    b.started(URL, 200, now=2.0)
+    assert b.wait_s(URL, 0) == pytest.approx(1.0)
 
 
 def test_a_failed_leg_frees_its_tokens_and_its_time_counts_without_work() -> None:
@@ -46,11 +60,14 @@ def test_a_failed_leg_frees_its_tokens_and_its_time_counts_without_work() -> Non
     b.started(URL, 5000, now=2.0)
     assert b.wait_s(URL, 0) == pytest.approx(50.0)
     b.finished(URL, 5000, now=3.0, completed=False)  # timed out: 1 s of the engine, nothing prefilled
+    b.started(URL, 0, now=3.5)
     assert b.wait_s(URL, 100) == pytest.approx(100 / 50)  # its queue is gone; it looks slower now
+    b.finished(URL, 0, now=3.5)
     b.started(URL, 50, now=4.0)
     b.finished(URL, 50, now=4.5)
     b.started(URL, 50, now=5.0)
     b.finished(URL, 50, now=5.5)  # 100 tokens in 1 busy second: the average recovers
+    b.started(URL, 0, now=6.0)
     assert b.wait_s(URL, 100) == pytest.approx(100 / (0.5 * 100 + 0.5 * 50))
 
 
@@ -71,6 +88,7 @@ def test_sequential_legs_give_their_exact_rate(legs: list[tuple[int, float, floa
         b.started(URL, tokens, now)
         b.finished(URL, tokens, now + duration)
         now += duration + gap
+    b.started(URL, 0, now)
     rate = sum(t for t, _, _ in legs) / busy
     assert b.wait_s(URL, 1000) == pytest.approx(1000 / rate, rel=1e-6)
 
