@@ -22,7 +22,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from kvferry.connector.layout import KVLayout, LayoutError, element_addresses, split_heads
+from kvferry.connector.layout import KVLayout, LayoutError, split_heads
+from kvferry.connector.mapping import element_addresses
 
 if TYPE_CHECKING:
     import torch

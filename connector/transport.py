@@ -18,15 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from kvferry.connector.config import KvferryConfig
-from kvferry.connector.layout import (
-    KVLayout,
-    Segments,
-    block_aligned,
-    block_table,
-    coalesce,
-    plan,
-    pushed_blocks,
-)
+from kvferry.connector.layout import KVLayout
+from kvferry.connector.mapping import Segments, block_aligned, block_table, coalesce, plan, pushed_blocks
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +125,7 @@ class NixlTransport:
     ) -> tuple[object, WritePlan]:
         """Map tokens [first_token, num_tokens), build descriptors and post one WRITE carrying `notif`;
         returns (handle, plan). `src_blocks` hold the prompt from token 0, `dst_blocks` from
-        `first_token` (layout.plan)."""
+        `first_token` (mapping.plan)."""
         assert self.layout is not None, "register() first"
         peer = self.peers[agent_name]
         t0 = time.perf_counter()

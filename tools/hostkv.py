@@ -15,14 +15,8 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-from kvferry.connector.layout import (
-    KVLayout,
-    LayoutError,
-    PlaneMap,
-    element_addresses,
-    regions_at,
-    split_heads,
-)
+from kvferry.connector.layout import KVLayout, LayoutError, PlaneMap, regions_at, split_heads
+from kvferry.connector.mapping import element_addresses
 
 ALIGN = 4096
 SYNTHETIC = ("head_major", "token_major", "k_transposed")

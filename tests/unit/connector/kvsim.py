@@ -10,7 +10,8 @@ from __future__ import annotations
 from functools import partial
 
 import numpy as np
-from kvferry.connector.layout import KVLayout, Segments, element_addresses
+from kvferry.connector.layout import KVLayout
+from kvferry.connector.mapping import Segments, element_addresses
 from kvferry.tools.hostkv import synthetic_layout
 
 ORIGIN = 4096  # region bases are offsets from here; 0 is not a valid address

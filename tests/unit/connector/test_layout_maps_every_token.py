@@ -1,4 +1,4 @@
-"""layout.plan + coalesce: the consumer, read through its own layout, holds the producer's KV,
+"""mapping.plan + coalesce: the consumer, read through its own layout, holds the producer's KV,
 element by element, whatever each side's block size, TP split and in-block packing."""
 
 from __future__ import annotations
@@ -9,17 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvferry.connector.layout import (
-    KVLayout,
-    LayoutError,
-    block_aligned,
-    check_compatible,
-    coalesce,
-    element_addresses,
-    overlapping_ranks,
-    plan,
-    split_heads,
-)
+from kvferry.connector.layout import KVLayout, LayoutError, check_compatible, overlapping_ranks, split_heads
+from kvferry.connector.mapping import block_aligned, coalesce, element_addresses, plan
 from kvferry.tools.hostkv import synthetic_layout
 from kvsim import KINDS, apply, buffer_for, expected, fill, gather, make_layout
 

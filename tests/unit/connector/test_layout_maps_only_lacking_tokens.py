@@ -1,4 +1,4 @@
-"""layout.plan with a first token: a decode that already holds the first k tokens of a prompt (its own
+"""mapping.plan with a first token: a decode that already holds the first k tokens of a prompt (its own
 prefix-cache hit, whole consumer blocks) lists only the blocks it lacks, and the producer writes
 exactly tokens [k, n): every one of them element by element, none before, whatever each side's block
 size (k may fall inside a producer block), TP split and packing."""
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvferry.connector.layout import LayoutError, block_table, coalesce, plan, pushed_blocks, token_runs
+from kvferry.connector.layout import LayoutError
+from kvferry.connector.mapping import block_table, coalesce, plan, pushed_blocks, token_runs
 from kvsim import KINDS, apply, buffer_for, expected, fill, gather, make_layout
 from test_layout_maps_every_token import shared
 
