@@ -327,12 +327,14 @@ def run_design(design: str, n: int, cpu_nodes: int, timeout_s: float, workdir: P
             left = lambda: max(timeout_s - (time.monotonic() - t0), 1)  # noqa: E731
             got = wait(lambda: count_objects(api) >= want, "all objects", left())
             out["objects_s"] = None if got is None else time.monotonic() - t0
+            out["objects"], out["objects_want"] = count_objects(api), want
             ready = (
                 (lambda: workloads_ready(api, per_cr)) if design == "floor" else lambda: count_ready(custom)
             )
             got = wait(lambda: ready() >= n, "all Ready", left())
             out["ready_s"] = None if got is None else time.monotonic() - t0
             out["ready_count"] = ready()
+            out["workloads_ready"] = workloads_ready(api, per_cr)  # the floor's Ready, for every design
             # The floor's client has exited by now: its CPU comes from its own report.
             live = {k: pid for k, pid in planes.items() if k != "client" or design != "floor"}
             out["cpu_s"] = {k: cpu_s(pid) - cpu0[k] for k, pid in live.items()}
@@ -395,17 +397,23 @@ def _cell(fn: Any) -> Any:
     return cell
 
 
+def _of(r: dict[str, Any]) -> str:
+    """How many objects were there when the wait gave up."""
+    return f" ({r['objects']}/{r['objects_want']})" if r["objects_s"] is None and "objects" in r else ""
+
+
 def _per_cr_mib(r: dict[str, Any]) -> str:
     return _fmt((r["peak_rss_mib"] - r["idle_rss_mib"]) / r["crs"], " MiB", 2)
 
 
 ROWS = [
     ("all CRs created (8 clients)", lambda r: _fmt(r["apply_s"] if "apply_s" in r else r["created_s"], " s")),
-    ("all objects present (from the first create)", lambda r: _fmt(r["objects_s"], " s")),
+    ("all objects present (from the first create)", lambda r: _fmt(r["objects_s"], " s") + _of(r)),
     (
         "all CRs Ready (from the first create)",
         lambda r: _fmt(r["ready_s"], " s") + f" ({r['ready_count']}/{r['crs']})",
     ),
+    ("CRs with all workloads ready, then", lambda r: f"{r['workloads_ready']}/{r['crs']}"),
     ("full reconciles per CR", lambda r: _fmt(r["full_reconciles"] / r["crs"], "", 2)),
     ("API requests per full reconcile", lambda r: _fmt(r["requests"] / max(r["full_reconciles"], 1))),
     ("API requests per CR", lambda r: _fmt(r["requests"] / r["crs"])),

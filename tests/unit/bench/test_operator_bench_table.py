@@ -14,8 +14,9 @@ _spec.loader.exec_module(operator_bench)
 
 CPU = {"kube-apiserver": 220.0, "kube-controller-manager": 167.0, "client": 33.0}
 FLOOR = {"design": "floor", "crs": 10, "created_s": 1.0, "objects_s": 5.0, "ready_s": None}
-FLOOR |= {"ready_count": 3, "requests": 140, "peak_rss_mib": 90.0, "cpu_s": CPU}
-AFTER = {"design": "after", "crs": 10, "apply_s": 2.0, "objects_s": 6.0, "ready_s": 9.0, "ready_count": 10}
+FLOOR |= {"ready_count": 3, "requests": 140, "peak_rss_mib": 90.0, "cpu_s": CPU, "workloads_ready": 3}
+AFTER = {"design": "after", "crs": 10, "apply_s": 2.0, "objects_s": None, "ready_s": 9.0, "ready_count": 10}
+AFTER |= {"objects": 120, "objects_want": 140, "workloads_ready": 10}
 AFTER |= {"requests": 150.0, "full_reconciles": 10.0, "peak_rss_mib": 110.0, "idle_rss_mib": 100.0}
 AFTER |= {"cpu_s": CPU, "lag_s": 3.0, "by_trigger": {"create": 10.0}}
 
@@ -30,6 +31,7 @@ def test_the_floor_shows_its_figures_and_a_dash_where_only_an_operator_has_one()
     assert table["all CRs created (8 clients)"] == ["1.0 s", "2.0 s"]
     assert table["all CRs Ready (from the first create)"] == ["not reached (3/10)", "9.0 s (10/10)"]
     assert table["API requests per CR"] == ["14.0", "15.0"]
+    assert table["CRs with all workloads ready, then"] == ["3/10", "10/10"]
     assert table["full reconciles per CR"] == ["—", "1.00"]
     assert table["operator memory per CR (peak − idle)"] == ["—", "1.00 MiB"]
     assert table["CPU s to all Ready: API server"] == ["220 s", "220 s"]
@@ -37,4 +39,4 @@ def test_the_floor_shows_its_figures_and_a_dash_where_only_an_operator_has_one()
 
 def test_a_failed_design_leaves_the_others_figures() -> None:
     table = rows([{"design": "floor (failed)", "crs": 10}, AFTER])
-    assert table["all objects present (from the first create)"] == ["—", "6.0 s"]
+    assert table["all objects present (from the first create)"] == ["—", "not reached (120/140)"]
