@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import random
 import sys
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from kubernetes import client
-from kvferry.local.controlplane import nodes
 from kvferry.local.nodeagent.agent import NodeAgent
 
+from tests.cluster import agent_nodes
 from tests.waiting import wait_until
 
 WAIT_S = 60.0
@@ -28,20 +26,8 @@ WAIT_S = 60.0
 
 @pytest.fixture(scope="module")
 def agent_node(control_plane, admin_api) -> Iterator[tuple[str, NodeAgent]]:
-    """A Node no kwok manages, run by a NodeAgent (needs root: it creates the node's netns)."""
-    name = f"agent-{uuid.uuid4().hex[:6]}"
-    body = nodes.manifest(nodes.CPU, 0, kwok=False)
-    body["metadata"]["name"] = body["metadata"]["labels"]["kubernetes.io/hostname"] = name
-    core = client.CoreV1Api(admin_api)
-    core.create_node(body)
-    cidr = f"10.213.{random.randint(100, 250)}.0/24"
-    agent = NodeAgent(str(control_plane.kubeconfig), name, cidr)
-    agent.start()
-    try:
-        yield name, agent
-    finally:
-        agent.stop()
-        core.delete_node(name)
+    with agent_nodes.agent_node(control_plane.kubeconfig, admin_api, "agent") as node:
+        yield node
 
 
 def _pod(node: str, name: str, command: list[str], **spec: Any) -> dict[str, Any]:

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,13 +28,11 @@ from typing import Any
 
 import httpx
 import pytest
-from kubernetes import client
-from kvferry.local.controlplane import nodes
 from kvferry.local.controlplane.processes import reserve_ports
-from kvferry.local.nodeagent.agent import NodeAgent
 from kvferry.operator import names
 from kvferry.router.promtext import metric_sum, parse_metrics
 
+from tests.cluster import agent_nodes
 from tests.cluster.drain_engine import TOKEN_S
 from tests.unit.operator.cases import make_inference
 from tests.waiting import wait_until
@@ -53,24 +49,12 @@ STAND_IN = Path(__file__).with_name("drain_engine.py")
 @pytest.fixture
 def drain_node(control_plane, admin_api, tmp_path) -> Iterator[tuple[str, Path]]:
     """A tainted Node run by a node agent whose `vllm` is the stand-in engine; its events directory."""
-    name = f"drain-{uuid.uuid4().hex[:6]}"
-    body = nodes.manifest(nodes.CPU, 0, kwok=False)
-    body["metadata"]["name"] = body["metadata"]["labels"]["kubernetes.io/hostname"] = name
-    body["spec"]["taints"] = [{"key": TAINT, "value": "true", "effect": "NoSchedule"}]
-    core = client.CoreV1Api(admin_api)
-    core.create_node(body)
     events = tmp_path / "events"
     events.mkdir()
     engine = ["env", f"DRAIN_EVENTS={events}", sys.executable, str(STAND_IN)]
-    agent = NodeAgent(
-        str(control_plane.kubeconfig), name, f"10.213.{random.randint(100, 250)}.0/24", vllm=engine
-    )
-    agent.start()
-    try:
+    plane = control_plane.kubeconfig
+    with agent_nodes.agent_node(plane, admin_api, "drain", TAINT, vllm=engine) as (name, _):
         yield name, events
-    finally:
-        agent.stop()
-        core.delete_node(name)
 
 
 def _role(node: str, drain_s: int) -> dict[str, Any]:
