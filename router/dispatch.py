@@ -58,13 +58,13 @@ class Dispatcher:
 
     def __init__(
         self, cfg: RouterConfig, session: aiohttp.ClientSession, tracker: LoadTracker, metrics: RouterMetrics,
-        backlog: PrefillBacklog | None = None,
+        backlog: PrefillBacklog,
     ) -> None:  # fmt: skip
         self.cfg = cfg
         self.session = session
         self.tracker = tracker
         self.metrics = metrics
-        self.backlog = backlog or PrefillBacklog()
+        self.backlog = backlog
         self.detached: set[asyncio.Task[Any]] = set()
         self.budget = RecomputeBudget(cfg.limits.recompute_ratio, cfg.limits.recompute_burst)
 

@@ -15,18 +15,6 @@ from kvferry.router.prefix import PrefixIndex, PromptKeys, prompt_keys, prompt_t
 from kvferry.router.selection import Choice, OverloadedError, Selector
 
 
-class PrefillQueueFullError(OverloadedError):
-    """The chosen prefill engine would queue the request longer than limits.max_prefill_wait_s."""
-
-    def __init__(self, engine_id: str, wait_s: float, limit_s: float) -> None:
-        Exception.__init__(
-            self,
-            f"prefill {engine_id} would start this request in ~{wait_s:.1f}s, over the limit of "
-            f"{limit_s:g}s (limits.max_prefill_wait_s); retry after a moment",
-        )
-        self.role = "prefill"
-
-
 @dataclass(frozen=True)
 class Plan:
     choice: Choice
@@ -48,7 +36,7 @@ class Planner:
 
     def __init__(
         self, routing: Routing, selector: Selector, index: PrefixIndex | None, metrics: RouterMetrics,
-        backlog: PrefillBacklog | None = None, max_prefill_wait_s: float = 0.0,
+        backlog: PrefillBacklog, max_prefill_wait_s: float,
     ) -> None:  # fmt: skip
         self.routing = routing
         self.selector = selector
@@ -74,11 +62,10 @@ class Planner:
 
     def _admit(self, url: str, engine_id: str, tokens: int) -> None:
         """Refuse now what the prefill engine could not start within the limit (429, nothing spent)."""
-        if self.backlog is None or not self.max_prefill_wait_s:
-            return
-        wait = self.backlog.wait_s(url, tokens)
-        if wait is not None and wait > self.max_prefill_wait_s:
-            raise PrefillQueueFullError(engine_id, wait, self.max_prefill_wait_s)
+        wait, limit = self.backlog.wait_s(url, tokens), self.max_prefill_wait_s
+        if wait is not None and wait > limit:
+            why = f"prefill {engine_id} would start this request in ~{wait:.1f}s, over the limit of "
+            raise OverloadedError("prefill", f"{why}{limit:g}s (limits.max_prefill_wait_s)")
 
     def _account(self, plan: Plan) -> None:
         """Count how the request is served and what the chosen engines held; record that they hold it
@@ -99,5 +86,4 @@ class Planner:
         urls = {e.url for e in (*pool.prefill, *pool.decode)}
         if self.index is not None:
             self.index.forget(urls)
-        if self.backlog is not None:
-            self.backlog.forget(urls)
+        self.backlog.forget(urls)

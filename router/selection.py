@@ -25,13 +25,16 @@ class NoBackendError(Exception):
 
 
 class OverloadedError(Exception):
-    """Every engine of a role that could serve the request is at its in-flight limit."""
+    """The request cannot be taken now (429): every engine of a role is at its in-flight limit
+    (`at_limit`), or the prefill engine would start it too late (routing.py)."""
 
-    def __init__(self, role: str, limit: int) -> None:
-        super().__init__(
-            f"every {role} engine is at its limit of {limit} requests in flight; retry after a moment"
-        )
+    def __init__(self, role: str, message: str) -> None:
+        super().__init__(f"{message}; retry after a moment")
         self.role = role
+
+    @classmethod
+    def at_limit(cls, role: str, limit: int) -> OverloadedError:
+        return cls(role, f"every {role} engine is at its limit of {limit} requests in flight")
 
 
 @dataclass
@@ -124,7 +127,7 @@ class Selector:
     def _with_room(self, endpoints: list[Endpoint], role: str) -> list[Endpoint]:
         roomy = [e for e in endpoints if self.tracker.has_room(e, self.max_in_flight)]
         if not roomy:
-            raise OverloadedError(role, self.max_in_flight)
+            raise OverloadedError.at_limit(role, self.max_in_flight)
         return roomy
 
     def choose(self, pool: Pool, now: float | None = None) -> tuple[Endpoint, Endpoint]:
@@ -152,7 +155,7 @@ class Selector:
         revisions = {p.revision for p in prefills}
         paired = [d for d in decodes if d.revision in revisions]
         if not paired:
-            raise OverloadedError("prefill", self.max_in_flight)
+            raise OverloadedError.at_limit("prefill", self.max_in_flight)
         prefills = self._usable(prefills, now)
 
         # D's closeness: to the nearest P it could pair with; P's: to the chosen D (topology.py).
