@@ -4,6 +4,7 @@ limits.max_prefill_wait_s, from its own legs: tokens queued there / the rate it 
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 from aiohttp.test_utils import TestClient
@@ -109,10 +110,10 @@ def test_a_request_prefill_could_not_start_in_time_gets_429_before_anything_is_s
         resp = await client.post("/v1/completions", json=prompt(5))  # (100 ahead + 100) / 333 = 0.6 s
         assert resp.status == 429 and resp.headers["Retry-After"] == "1"
         error = (await resp.json())["error"]
-        assert (
-            error["code"] == "overloaded"
-            and "prefill prefill-0 would start this request in ~0.6s" in (error["message"])
-        )
+        # Legs take at least their 0.3 s: the rate is at most 333 tokens/s, the estimate at least 0.6 s
+        # (a busy host only makes it larger; the exact figure is the host's).
+        found = re.search(r"prefill prefill-0 would start this request in ~(\d+\.\d)s", error["message"])
+        assert error["code"] == "overloaded" and found and float(found[1]) >= 0.6, error["message"]
         assert "limits.max_prefill_wait_s" in error["message"]
         assert (await first).status == 200
         assert (len(p.seen), len(d.seen)) == (seen[0] + 1, seen[1] + 1), "the refused one reached no engine"
