@@ -107,5 +107,9 @@ def test_a_conflict_outranks_a_missing_secret_for_every_writer(
     wait_until(
         lambda: cluster.condition("pc", "Degraded").get("reason") == "SecretMissing", "SecretMissing", 30
     )
+    # The GET above can see the new status before the log's watch delivers it (CI saw that once).
+    wait_until(
+        lambda: status_log.runs("pc", "Degraded")[-1:] == [("True", "SecretMissing")], "its watch event", 30
+    )
     assert status_log.runs("pc", "Degraded") == [("True", "Conflict"), ("True", "SecretMissing")]
     assert status_log.flaps("pc") == {}, status_log.flaps("pc")
