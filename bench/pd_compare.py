@@ -36,12 +36,23 @@ from kvferry.tools import loadbench, vllmbench
 from kvferry.tools.pdstack import PdStack, kvferry_connector_available
 from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 
-ALL_MODES = ("single", "single-1core", "vllm-pull", "vllm-push", "kvferry", "kvferry-bounded")
-DEFAULT_MODES = ALL_MODES[:-1]
-OURS = ("kvferry", "kvferry-bounded")
-# kvferry-bounded: kvferry with the router's prefill queue bound (limits.max_prefill_wait_s, --max-wait):
-# past saturation it sheds with 429 what it could not start in time. Its 429s are not failures.
-BOUNDED: dict[str, Any] = {}
+ALL_MODES = (
+    "single",
+    "single-1core",
+    "vllm-pull",
+    "vllm-push",
+    "kvferry",
+    "kvferry-bounded",
+    "kvferry-deferred",
+)
+DEFAULT_MODES = ALL_MODES[:5]
+OURS = ("kvferry", "kvferry-bounded", "kvferry-deferred")
+# kvferry with router settings (main fills them from the command line):
+# - bounded: the router's prefill queue bound (limits.max_prefill_wait_s, --max-wait): past saturation
+#   it sheds with 429 what it could not start in time. Its 429s are not failures.
+# - deferred: push.decode_start before-prefill (--decode-lead): decode's leg opens when prefill is about
+#   to start the request, so decode holds blocks only for requests whose KV is coming.
+VARIANTS: dict[str, dict[str, Any]] = {}
 UPSTREAM = ("vllm-pull", "vllm-push")
 CLIENTS = ("kvferry", "vllm")  # tools/loadbench.py, `vllm bench serve`
 SINGLE_CORES = {"single": "0-1", "single-1core": "0"}
@@ -112,12 +123,12 @@ def measure(
                 if fresh:
                     starts = len(RESTARTS.get(mode, [])) + 1
                     stack = PdStack(
-                        mode.removesuffix("-bounded"),
+                        mode.partition("-")[0] if mode in OURS else mode,
                         model,
                         workdir / f"{mode}-{starts}",
                         no_progress_thread=not stock,
                         kvferry_extra=kvferry_extra,
-                        router_extra=BOUNDED if mode.endswith("-bounded") else {},
+                        router_extra=VARIANTS.get(mode, {}),
                     )
                     stack.start()
                 cell_sweep = replace(sweep, lengths=(length,), rates=(rate,))
@@ -258,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-wait", type=float, default=1.0, help="kvferry-bounded: the router's limits.max_prefill_wait_s"
     )
+    parser.add_argument(
+        "--decode-lead", type=float, default=0.25, help="kvferry-deferred: the router's push.decode_lead_s"
+    )
     parser.add_argument("--lengths", default="256,512,1024")
     parser.add_argument("--rates", default="1,2,4,8")
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -278,7 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     if not clients or set(clients) - set(CLIENTS):
         parser.error(f"--clients: a subset of {list(CLIENTS)}")
     modes = [m for m in args.modes.split(",") if m]
-    BOUNDED["limits"] = {"max_prefill_wait_s": args.max_wait}
+    VARIANTS["kvferry-bounded"] = {"limits": {"max_prefill_wait_s": args.max_wait}}
+    VARIANTS["kvferry-deferred"] = {
+        "push": {"decode_start": "before-prefill", "decode_lead_s": args.decode_lead}
+    }
     unknown = sorted(set(modes) - set(ALL_MODES))
     if unknown:
         parser.error(f"unknown mode(s) {unknown}; choose from {list(ALL_MODES)}")

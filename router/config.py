@@ -84,6 +84,21 @@ class Limits(_Section, frozen=True, kw_only=True):
     recompute_burst: Count = 10
 
 
+DecodeStart = Literal["with-prefill", "before-prefill"]
+
+
+class Push(_Section, frozen=True, kw_only=True):
+    """When decode's leg opens in mode kvferry (router/dispatch.py). with-prefill: together with
+    prefill's, so decode registers its blocks while prefill computes. before-prefill: once the
+    router's backlog estimate (router/backlog.py) says prefill starts the request within
+    decode_lead_s, or when prefill's leg ends, whichever comes first; past saturation decode then
+    holds blocks only for requests whose KV is on its way instead of for prefill's whole queue (the
+    kvferry producer keeps finished KV for a late registration until its lease ends)."""
+
+    decode_start: DecodeStart = "with-prefill"
+    decode_lead_s: Positive = 0.25
+
+
 class Disaggregation(_Section, frozen=True, kw_only=True):
     """Whether a request pays for P/D (router/scoring.py): always, or selective, where decode alone
     serves a request whose tokens decode lacks are fewer than min_prefill_tokens, or whose prompt
@@ -139,6 +154,7 @@ class RouterConfig:
     kubernetes: KubernetesDiscoveryConfig | None = None
     auth: AuthConfig = AuthConfig()
     routing: Routing = Routing()
+    push: Push = Push()
 
 
 # router.yaml as written; parse_config turns it into the settings above.
@@ -196,6 +212,7 @@ class _File(_Section, frozen=True, kw_only=True):
     discovery: _Discovery
     auth: AuthConfig | None = None
     routing: Routing = Routing()
+    push: Push = Push()
 
 
 def parse_config(raw: Any) -> RouterConfig:
@@ -222,6 +239,11 @@ def parse_config(raw: Any) -> RouterConfig:
             "routing.prefix_aware: needs policy least-loaded (round-robin ignores where prefixes are "
             "cached); set prefix_aware: false or policy: least-loaded"
         )
+    if doc.push.decode_start != "with-prefill" and doc.mode != "kvferry":
+        raise ConfigError(
+            f"push.decode_start: {doc.push.decode_start!r} needs mode kvferry (mode is {doc.mode}: "
+            "upstream's connector does not keep finished KV for a registration that arrives after it)"
+        )
     prefix_aware = doc.routing.prefix_aware
     if prefix_aware is None:
         prefix_aware = doc.policy == "least-loaded"
@@ -247,6 +269,7 @@ def parse_config(raw: Any) -> RouterConfig:
         ),
         auth=doc.auth or AuthConfig(),
         routing=msgspec.structs.replace(doc.routing, prefix_aware=prefix_aware),
+        push=doc.push,
     )
 
 

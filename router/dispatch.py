@@ -2,7 +2,9 @@
 
 - kvferry and vllm-push: both legs start at once with one X-Request-Id (D registers while P computes).
   P's leg is bounded by prefill_s; D's first-token clock starts only when P's leg finished, so a slow
-  P is never blamed on D (D cannot produce a token before its KV exists).
+  P is never blamed on D (D cannot produce a token before its KV exists). kvferry with
+  push.decode_start before-prefill: D's leg opens when the backlog estimate says P is about to start
+  the request, or when P's leg ends, whichever is first.
 - vllm-pull: P first, then D with P's returned kv_transfer_params verbatim.
 - A failed or stuck leg (an error event before D's first token included) ends in a local recompute
   on the other engine of the pair (while time is left and the recompute budget allows) or in a clear
@@ -18,7 +20,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,9 +275,16 @@ class Dispatcher:
         d_params = legs.decode_params(mode, req.path, rid, 0, p, dl.transfer_s)
         remaining = deadline - asyncio.get_running_loop().time()
         p_leg = self.prefill(p, req.path, p_body, rid, min(dl.prefill_s, remaining), tokens)
+        delay = self._decode_delay(p)  # before P's leg starts: the tokens ahead of this request
         p_task = asyncio.create_task(p_leg)
         # D waits for KV while P computes: until P's leg ends only the request's deadline bounds it.
-        d_task = asyncio.create_task(self._decode(req, d, d_params, rid, deadline, first_token_bound=False))
+        d_leg = lambda: self._decode(req, d, d_params, rid, deadline, first_token_bound=False)  # noqa: E731
+        opened = asyncio.Event()  # D's leg sent: from then on D depends on P's KV
+        if delay > 0:
+            d_task = asyncio.create_task(self._when_due(d_leg, d, p_task, delay, opened))
+        else:
+            opened.set()
+            d_task = asyncio.create_task(d_leg())
         try:
             await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
             if not d_task.done():
@@ -285,11 +294,38 @@ class Dispatcher:
         finally:
             if not d_task.done():
                 d_task.cancel()  # only when this handler itself is cancelled: never leave D running
+                if not opened.is_set():
+                    p_task.cancel()  # no D registered for its KV: free P now, not after its lease
             elif not d_task.cancelled() and d_task.exception() is not None and not p_task.done():
                 # D failed (down, or its receive failed): nobody will take P's KV. Closing P's leg
                 # aborts its prefill, so P frees the blocks now instead of holding them for its lease.
                 p_task.cancel()
             self._detach(p_task)
+
+    def _decode_delay(self, p: Endpoint) -> float:
+        """push.decode_start before-prefill: seconds until P is estimated to start this request, less
+        decode_lead_s (0 when P is idle or unmeasured: D opens at once, as with-prefill)."""
+        push = self.cfg.push
+        if push.decode_start != "before-prefill":
+            return 0.0
+        ahead = self.backlog.wait_s(p.url, 0) or 0.0
+        return max(0.0, ahead - push.decode_lead_s)
+
+    async def _when_due(
+        self, d_leg: Callable[[], Awaitable[OpenLeg]], d: Endpoint, p_task: asyncio.Task[Any], delay_s: float,
+        opened: asyncio.Event,
+    ) -> OpenLeg:  # fmt: skip
+        """Open D's leg after delay_s or as soon as P's leg ends (its KV is then ready and held for
+        D), whichever is first. D counts as busy for selection meanwhile: it is this request's."""
+        self.tracker.begin(d)
+        t0 = asyncio.get_running_loop().time()
+        try:
+            await asyncio.wait({p_task}, timeout=delay_s)
+        finally:
+            self.tracker.end(d)
+            self.metrics.decode_delay.observe(asyncio.get_running_loop().time() - t0)
+        opened.set()
+        return await d_leg()
 
     async def _after_prefill(
         self, p_task: asyncio.Task[Any], d_task: asyncio.Task[OpenLeg], pair: tuple[Endpoint, Endpoint],

@@ -34,6 +34,10 @@ class RouterMetrics:
             "kvferry_router_recomputes", "Requests answered by a local recompute after a leg failed",
             ["reason"], registry=r,
         )  # fmt: skip
+        self.decode_delay = Histogram(
+            "kvferry_router_decode_delay_seconds", "push.decode_start before-prefill: how long decode's "
+            "leg waited for prefill to be about to start the request", buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.in_flight = Gauge(
             "kvferry_router_in_flight", "Legs in flight per engine", ["role", "engine_id"], registry=r
         )
