@@ -11,13 +11,14 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from kvferry.contracts.pods import POOL_METRICS_PATH
+from kvferry.router import early, poolstatus
 from kvferry.router import params as legs
-from kvferry.router import poolstatus
 from kvferry.router.aggregate import Aggregator
 from kvferry.router.backlog import PrefillBacklog
 from kvferry.router.config import RouterConfig
@@ -80,30 +81,78 @@ async def _read_json(request: web.Request) -> Any:
         raise ApiError(400, "request body is not valid JSON", "invalid_json") from None
 
 
+class _Early:
+    """streaming.first_token prefill for one request (early.py): starts the client's stream with
+    prefill's token when prefill's leg returns first, and says how decode's stream must be rewritten."""
+
+    def __init__(self, request: web.Request, rid: str, want_ids: bool, started: float) -> None:
+        self.request, self.rid, self.want_ids, self.started = request, rid, want_ids, started
+        self.chat = request.path == legs.CHAT
+        self.response: web.StreamResponse | None = None
+        self.first: early.FirstToken | None = None
+
+    async def on_prefill(self, answer: dict[str, Any]) -> None:
+        first = early.first_token(answer, self.chat, self.want_ids)
+        if first is None:
+            return  # not mirrorable: the client's stream starts with decode's token, as without this
+        state, cfg = self.request.app[STATE], self.request.app[CONFIG]
+        resp = web.StreamResponse(status=200, headers={"X-Request-Id": self.rid, **_SSE})
+        await resp.prepare(self.request)
+        await resp.write(first.event)
+        self.response, self.first = resp, first
+        state["metrics"].ttft.labels(cfg.mode).observe(time.monotonic() - self.started)
+        state["metrics"].first_token_from_prefill.inc()
+
+    def echo(self) -> early.DecodeEcho:
+        return early.DecodeEcho(self.first, self.chat, self.want_ids)
+
+
+_SSE = {"Content-Type": "text/event-stream"}
+
+
 async def _generate(request: web.Request) -> web.StreamResponse:
     state, cfg = request.app[STATE], request.app[CONFIG]
     metrics: RouterMetrics = state["metrics"]
     req = legs.validate(request.path, await _read_json(request), cfg.model)
     started = time.monotonic()
     rid = new_request_id()
-    outcome = "error"
+    outcome, first = "error", None
     try:
         plan = _plan(state, req)
         prefill, decode = plan.choice.prefill, plan.choice.decode
+        if (
+            cfg.streaming.first_token == "prefill"
+            and not plan.decode_only
+            and early.eligible(req.body, req.stream)
+        ):
+            first = _Early(request, rid, bool(req.body.get("return_token_ids")), started)
+            req = replace(req, body={**req.body, "return_token_ids": True})  # both legs: the check needs ids
+        hook = first.on_prefill if first else None
         leg = await state["dispatcher"].run(
-            req, prefill, decode, rid, decode_only=plan.decode_only, prefill_tokens=plan.prefill_tokens
-        )
+            req, prefill, decode, rid, decode_only=plan.decode_only, prefill_tokens=plan.prefill_tokens,
+            on_prefill=hook,
+        )  # fmt: skip
         try:
-            response, outcome = await _relay(request, leg, rid, state, started, cfg)
+            response, outcome = await _relay(request, leg, rid, state, started, cfg, first)
         except LegError as exc:  # an aggregated answer broke before anything reached the client
             other = prefill if leg.engine is decode else decode
             remaining = started + cfg.deadlines.total_s - time.monotonic()
             leg = await state["dispatcher"].recompute(req, other, rid, exc, remaining)
-            response, outcome = await _relay(request, leg, rid, state, started, cfg)
+            response, outcome = await _relay(request, leg, rid, state, started, cfg, first)
         return response
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        if first is None or first.response is None:
+            raise
+        outcome = "client_disconnect"  # while prefill's token was being sent
+        return first.response
     except ApiError as exc:
         outcome = exc.code if exc.code in SHED_OUTCOMES else "error"
-        raise
+        if first is None or first.response is None:
+            raise
+        # The client's stream has started (prefill's token): the only honest report is an error event.
+        metrics.errors_by_status.labels(str(exc.status)).inc()
+        await _error_event(first.response, exc.body())
+        return first.response
     finally:
         metrics.requests.labels(request.path, cfg.mode, outcome).inc()
         metrics.duration.labels(request.path, cfg.mode).observe(time.monotonic() - started)
@@ -120,9 +169,11 @@ def _plan(state: dict[str, Any], req: legs.ClientRequest) -> Plan:
 
 
 async def _relay(
-    request: web.Request, leg: OpenLeg, rid: str, state: dict[str, Any], started: float, cfg: RouterConfig
-) -> tuple[web.StreamResponse, str]:
-    """Send decode's answer to the client; returns the response and the outcome label."""
+    request: web.Request, leg: OpenLeg, rid: str, state: dict[str, Any], started: float, cfg: RouterConfig,
+    first: _Early | None = None,
+) -> tuple[web.StreamResponse, str]:  # fmt: skip
+    """Send decode's answer to the client (after prefill's token, when `first` started the stream);
+    returns the response and the outcome label."""
     dispatcher: Dispatcher = state["dispatcher"]
     headers = {"X-Request-Id": rid}
     if leg.recomputed:
@@ -137,21 +188,29 @@ async def _relay(
             state["metrics"].ttft.labels(cfg.mode).observe(time.monotonic() - started)
             body = web.Response(body=leg.first, status=200, content_type="application/json", headers=headers)
             return body, outcome
-        resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream"})
+        early_start = first is not None and first.response is not None
+        resp = first.response if first and first.response else web.StreamResponse(headers={**headers, **_SSE})
+        echo = first.echo() if first else None  # the router asked for ids: check and strip them
         try:
-            await resp.prepare(request)
-            await resp.write(leg.first)
-            state["metrics"].ttft.labels(cfg.mode).observe(time.monotonic() - started)
+            if not resp.prepared:
+                await resp.prepare(request)
+            await resp.write(echo.feed(leg.first) if echo else leg.first)
+            if not early_start:
+                state["metrics"].ttft.labels(cfg.mode).observe(time.monotonic() - started)
             remaining = started + cfg.deadlines.total_s - time.monotonic()
-            await asyncio.wait_for(_pipe(leg, resp), max(remaining, 0.1))
+            await asyncio.wait_for(_pipe(leg, resp, echo), max(remaining, 0.1))
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             return resp, "client_disconnect"  # closing D's response below makes vLLM abort the request
+        except early.Mismatch as exc:
+            state["metrics"].leg_errors.labels("decode", "first_token_mismatch").inc()
+            log.error("request %s: %s", rid, exc)
+            await _error_event(resp, error_body(502, str(exc), "first_token_mismatch"))
+            return resp, "error"
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             # Headers are out: the only honest report left is an error event in the stream.
             msg = f"decode {leg.engine.engine_id} stream broke: {exc!r}"
-            with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
-                await resp.write(f"data: {json.dumps(error_body(502, msg, 'decode_stream'))}\n\n".encode())
+            await _error_event(resp, error_body(502, msg, "decode_stream"))
             return resp, "error"
         return resp, outcome
     finally:
@@ -185,9 +244,16 @@ async def _aggregate(leg: OpenLeg, chat: bool, deadline: float) -> dict[str, Any
     return agg.result()
 
 
-async def _pipe(leg: OpenLeg, resp: web.StreamResponse) -> None:
+async def _pipe(leg: OpenLeg, resp: web.StreamResponse, echo: early.DecodeEcho | None) -> None:
     async for chunk in leg.response.content.iter_any():
-        await resp.write(chunk)
+        await resp.write(echo.feed(chunk) if echo else chunk)
+    if echo:
+        await resp.write(echo.flush())
+
+
+async def _error_event(resp: web.StreamResponse, body: dict[str, Any]) -> None:
+    with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
+        await resp.write(f"data: {json.dumps(body)}\n\n".encode())
 
 
 async def _models(request: web.Request) -> web.Response:

@@ -99,6 +99,17 @@ class Push(_Section, frozen=True, kw_only=True):
     decode_lead_s: Positive = 0.25
 
 
+FirstToken = Literal["decode", "prefill"]
+
+
+class Streaming(_Section, frozen=True, kw_only=True):
+    """Where a streaming client's first token comes from (router/early.py). decode: decode's stream,
+    relayed as it comes. prefill: for greedy requests (temperature 0), prefill's own sampled token is
+    sent the moment prefill's leg returns, and decode's copy of it is checked and dropped."""
+
+    first_token: FirstToken = "decode"
+
+
 class Disaggregation(_Section, frozen=True, kw_only=True):
     """Whether a request pays for P/D (router/scoring.py): always, or selective, where decode alone
     serves a request whose tokens decode lacks are fewer than min_prefill_tokens, or whose prompt
@@ -155,6 +166,7 @@ class RouterConfig:
     auth: AuthConfig = AuthConfig()
     routing: Routing = Routing()
     push: Push = Push()
+    streaming: Streaming = Streaming()
 
 
 # router.yaml as written; parse_config turns it into the settings above.
@@ -213,6 +225,7 @@ class _File(_Section, frozen=True, kw_only=True):
     auth: AuthConfig | None = None
     routing: Routing = Routing()
     push: Push = Push()
+    streaming: Streaming = Streaming()
 
 
 def parse_config(raw: Any) -> RouterConfig:
@@ -270,6 +283,7 @@ def parse_config(raw: Any) -> RouterConfig:
         auth=doc.auth or AuthConfig(),
         routing=msgspec.structs.replace(doc.routing, prefix_aware=prefix_aware),
         push=doc.push,
+        streaming=doc.streaming,
     )
 
 

@@ -40,6 +40,7 @@ CONNECT_TIMEOUT_S = 5.0
 # After P finished, D gets at least transfer_s plus this margin, so that the kvferry connector's own
 # deadline_s (an error event from D, recomputed with a clear reason) acts before the router's bound.
 KV_MARGIN_S = 5.0
+OnPrefill = Callable[[dict[str, Any]], Awaitable[None]]  # gets P's answer before D's first token
 
 
 @dataclass
@@ -107,16 +108,16 @@ class Dispatcher:
 
     async def prefill(
         self, ep: Endpoint, path: str, body: dict[str, Any], rid: str, timeout_s: float, tokens: int = 0
-    ) -> Any:
+    ) -> dict[str, Any]:
         """Run the 1-token prefill leg of a `tokens`-token prompt (to compute: hits excluded); returns
-        the kv_transfer_params P answered with (or None)."""
+        P's answer ({} when it was not a JSON object)."""
         self._begin(ep)
         loop, completed = asyncio.get_running_loop(), False
         self.backlog.started(ep.url, tokens, loop.time())
         try:
-            params = await asyncio.wait_for(self._prefill_once(ep, path, body, rid), timeout_s)
+            answer = await asyncio.wait_for(self._prefill_once(ep, path, body, rid), timeout_s)
             completed = True
-            return params
+            return answer
         except asyncio.TimeoutError:
             self.tracker.mark_down(ep)  # slow P: steer the next requests elsewhere, recompute on D
             raise self._fail(
@@ -132,12 +133,12 @@ class Dispatcher:
             self._end(ep)
             self.backlog.finished(ep.url, tokens, loop.time(), completed)
 
-    async def _prefill_once(self, ep: Endpoint, path: str, body: dict[str, Any], rid: str) -> Any:
+    async def _prefill_once(self, ep: Endpoint, path: str, body: dict[str, Any], rid: str) -> dict[str, Any]:
         async with await self._post(ep, path, body, rid) as resp:
             if resp.status != 200:
                 raise await self._status_error("prefill", ep, resp)
             data = await resp.json(content_type=None)
-        return data.get("kv_transfer_params") if isinstance(data, dict) else None
+        return data if isinstance(data, dict) else {}
 
     async def open_decode(
         self, ep: Endpoint, path: str, body: dict[str, Any], rid: str, stream: bool, timeout_s: float,
@@ -212,19 +213,21 @@ class Dispatcher:
 
     async def run(
         self, req: legs.ClientRequest, prefill: Endpoint, decode: Endpoint, rid: str,
-        decode_only: bool = False, prefill_tokens: int = 0,
+        decode_only: bool = False, prefill_tokens: int = 0, on_prefill: OnPrefill | None = None,
     ) -> OpenLeg:  # fmt: skip
         """Both legs per mode (or decode alone, which prefills locally); on a retryable failure,
-        recompute locally on the other engine. `prefill_tokens`: what P computes (backlog.py)."""
+        recompute locally on the other engine. `prefill_tokens`: what P computes (backlog.py).
+        `on_prefill` gets P's answer when P's leg ended before D's first token (early.py)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.deadlines.total_s
         self.budget.deposit()
         try:
             if decode_only:
                 return await self._decode(req, decode, None, rid, deadline)
+            hook = on_prefill or _no_hook
             if self.cfg.mode == "vllm-pull":
-                return await self._pull(req, prefill, decode, rid, deadline, prefill_tokens)
-            return await self._push(req, prefill, decode, rid, deadline, prefill_tokens)
+                return await self._pull(req, prefill, decode, rid, deadline, prefill_tokens, hook)
+            return await self._push(req, prefill, decode, rid, deadline, prefill_tokens, hook)
         except LegError as exc:
             remaining = deadline - loop.time()
             if not exc.retryable or remaining <= 1.0:
@@ -268,8 +271,9 @@ class Dispatcher:
         return self.open_decode(ep, req.path, body, rid, stream, timeout, aggregate)
 
     async def _push(
-        self, req: legs.ClientRequest, p: Endpoint, d: Endpoint, rid: str, deadline: float, tokens: int
-    ) -> OpenLeg:
+        self, req: legs.ClientRequest, p: Endpoint, d: Endpoint, rid: str, deadline: float, tokens: int,
+        on_prefill: OnPrefill,
+    ) -> OpenLeg:  # fmt: skip
         mode, dl = self.cfg.mode, self.cfg.deadlines
         p_body = legs.prefill_body(req.body, legs.prefill_params(mode, rid, 0, d, dl.transfer_s))
         d_params = legs.decode_params(mode, req.path, rid, 0, p, dl.transfer_s)
@@ -289,7 +293,7 @@ class Dispatcher:
             await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
             if not d_task.done():
                 streams = req.stream or can_aggregate(req.body)
-                await self._after_prefill(p_task, d_task, (p, d), deadline, streams)
+                await self._after_prefill(p_task, d_task, (p, d), deadline, streams, on_prefill)
             return await d_task
         finally:
             if not d_task.done():
@@ -329,7 +333,7 @@ class Dispatcher:
 
     async def _after_prefill(
         self, p_task: asyncio.Task[Any], d_task: asyncio.Task[OpenLeg], pair: tuple[Endpoint, Endpoint],
-        deadline: float, streams: bool,
+        deadline: float, streams: bool, on_prefill: OnPrefill,
     ) -> None:  # fmt: skip
         """P's leg ended before D's first token. If P failed, D would wait for KV that never comes:
         abort D and raise P's failure (recompute on D). Else D's clock starts now: decode_first_token_s,
@@ -340,6 +344,7 @@ class Dispatcher:
         if exc is not None:
             await _abort(d_task)
             raise exc
+        await on_prefill(p_task.result())
         dl, (p, d) = self.cfg.deadlines, pair
         remaining = deadline - asyncio.get_running_loop().time()
         first_token = max(dl.decode_first_token_s, dl.transfer_s + KV_MARGIN_S)
@@ -354,17 +359,20 @@ class Dispatcher:
         raise self._fail("decode", "timeout", msg, status=504)
 
     async def _pull(
-        self, req: legs.ClientRequest, p: Endpoint, d: Endpoint, rid: str, deadline: float, tokens: int
-    ) -> OpenLeg:
+        self, req: legs.ClientRequest, p: Endpoint, d: Endpoint, rid: str, deadline: float, tokens: int,
+        on_prefill: OnPrefill,
+    ) -> OpenLeg:  # fmt: skip
         dl = self.cfg.deadlines
         p_body = legs.prefill_body(req.body, legs.prefill_params("vllm-pull", rid, 0, d, dl.transfer_s))
         remaining = deadline - asyncio.get_running_loop().time()
-        kv = await self.prefill(p, req.path, p_body, rid, min(dl.prefill_s, remaining), tokens)
+        answer = await self.prefill(p, req.path, p_body, rid, min(dl.prefill_s, remaining), tokens)
+        kv = answer.get("kv_transfer_params")
         if not isinstance(kv, dict) or not kv.get("do_remote_prefill"):
             hint = "is it a NixlConnector kv_producer?"
             msg = f"prefill {p.engine_id} returned no usable kv_transfer_params ({kv!r}); {hint}"
             raise self._fail("prefill", "no_kv_params", msg)
         params = legs.decode_params("vllm-pull", req.path, rid, 0, p, 0, kv)
+        await on_prefill(answer)
         return await self._decode(req, d, params, rid, deadline)
 
     async def recompute(
@@ -424,6 +432,10 @@ def _costs_capacity(exc: LegError) -> bool:
     short. An engine that is down (unreachable, stream cut) or a transfer that failed does no work
     for the request, so its recompute elsewhere costs nothing extra and is never refused."""
     return exc.reason == "timeout" or exc.reason.startswith("status_")
+
+
+async def _no_hook(answer: dict[str, Any]) -> None:
+    return None
 
 
 def new_request_id() -> str:

@@ -38,6 +38,10 @@ class RouterMetrics:
             "kvferry_router_decode_delay_seconds", "push.decode_start before-prefill: how long decode's "
             "leg waited for prefill to be about to start the request", buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.first_token_from_prefill = Counter(
+            "kvferry_router_first_token_from_prefill", "streaming.first_token prefill: streams started "
+            "with prefill's token (before decode's)", registry=r,
+        )  # fmt: skip
         self.in_flight = Gauge(
             "kvferry_router_in_flight", "Legs in flight per engine", ["role", "engine_id"], registry=r
         )

@@ -38,6 +38,7 @@ class FakeEngine:
     def __init__(self, name: str, mode: str = "ok") -> None:
         self.name, self.mode = name, mode
         self.peer: FakeEngine | None = None
+        self.first_id = 0  # the token id its 1-token answer reports (the stream's first is 0)
         self.seen: list[dict[str, Any]] = []
         self.finished: list[str] = []
         app = web.Application()
@@ -72,9 +73,20 @@ class FakeEngine:
         if body.get("stream"):
             return await self._stream(request, body, chat)
         kv = {"do_remote_prefill": True, "remote_engine_id": self.name, "remote_block_ids": [[1]]}
-        text = f"from {self.name}"
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"text": text}
-        return web.json_response({"choices": [choice], "kv_transfer_params": kv})
+        ids = body.get("return_token_ids")  # then a 1-token answer: the first token of _stream's
+        text = "from" if ids else f"from {self.name}"
+        choice: dict[str, Any] = {"index": 0}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        if ids:
+            choice["token_ids"] = [self.first_id]
+        answer = {
+            "id": f"cmpl-{rid}",
+            "created": 1,
+            "model": "tiny",
+            "choices": [choice],
+            "kv_transfer_params": kv,
+        }
+        return web.json_response(answer)
 
     async def _stream(
         self, request: web.Request, body: dict[str, Any], chat: bool, fail: bool = False, cut: bool = False
