@@ -44,14 +44,16 @@ ALL_MODES = (
     "kvferry",
     "kvferry-bounded",
     "kvferry-deferred",
+    "kvferry-early",
 )
 DEFAULT_MODES = ALL_MODES[:5]
-OURS = ("kvferry", "kvferry-bounded", "kvferry-deferred")
+OURS = ("kvferry", "kvferry-bounded", "kvferry-deferred", "kvferry-early")
 # kvferry with router settings (main fills them from the command line):
 # - bounded: the router's prefill queue bound (limits.max_prefill_wait_s, --max-wait): past saturation
 #   it sheds with 429 what it could not start in time. Its 429s are not failures.
 # - deferred: push.decode_start before-prefill (--decode-lead): decode's leg opens when prefill is about
 #   to start the request, so decode holds blocks only for requests whose KV is coming.
+# - early: streaming.first_token prefill: a greedy stream's first token is prefill's, sent at once.
 VARIANTS: dict[str, dict[str, Any]] = {}
 UPSTREAM = ("vllm-pull", "vllm-push")
 CLIENTS = ("kvferry", "vllm")  # tools/loadbench.py, `vllm bench serve`
@@ -293,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--clients: a subset of {list(CLIENTS)}")
     modes = [m for m in args.modes.split(",") if m]
     VARIANTS["kvferry-bounded"] = {"limits": {"max_prefill_wait_s": args.max_wait}}
+    VARIANTS["kvferry-early"] = {"streaming": {"first_token": "prefill"}}
     VARIANTS["kvferry-deferred"] = {
         "push": {"decode_start": "before-prefill", "decode_lead_s": args.decode_lead}
     }
