@@ -88,14 +88,14 @@ DecodeStart = Literal["with-prefill", "before-prefill"]
 
 
 class Push(_Section, frozen=True, kw_only=True):
-    """When decode's leg opens in mode kvferry (router/dispatch.py). with-prefill: together with
-    prefill's, so decode registers its blocks while prefill computes. before-prefill: once the
-    router's backlog estimate (router/backlog.py) says prefill starts the request within
+    """When decode's leg opens (router/dispatch.py). with-prefill: together with prefill's, so decode
+    registers its blocks while prefill computes. before-prefill (mode kvferry only; its default): once
+    the router's backlog estimate (router/backlog.py) says prefill starts the request within
     decode_lead_s, or when prefill's leg ends, whichever comes first; past saturation decode then
     holds blocks only for requests whose KV is on its way instead of for prefill's whole queue (the
-    kvferry producer keeps finished KV for a late registration until its lease ends)."""
+    kvferry producer keeps finished KV for a late registration until its lease ends). Unset: per mode."""
 
-    decode_start: DecodeStart = "with-prefill"
+    decode_start: DecodeStart | None = None
     decode_lead_s: Positive = 0.25
 
 
@@ -252,11 +252,13 @@ def parse_config(raw: Any) -> RouterConfig:
             "routing.prefix_aware: needs policy least-loaded (round-robin ignores where prefixes are "
             "cached); set prefix_aware: false or policy: least-loaded"
         )
-    if doc.push.decode_start != "with-prefill" and doc.mode != "kvferry":
+    if doc.push.decode_start == "before-prefill" and doc.mode != "kvferry":
         raise ConfigError(
-            f"push.decode_start: {doc.push.decode_start!r} needs mode kvferry (mode is {doc.mode}: "
+            f"push.decode_start: 'before-prefill' needs mode kvferry (mode is {doc.mode}: "
             "upstream's connector does not keep finished KV for a registration that arrives after it)"
         )
+    default_start = "before-prefill" if doc.mode == "kvferry" else "with-prefill"
+    push = msgspec.structs.replace(doc.push, decode_start=doc.push.decode_start or default_start)
     prefix_aware = doc.routing.prefix_aware
     if prefix_aware is None:
         prefix_aware = doc.policy == "least-loaded"
@@ -282,7 +284,7 @@ def parse_config(raw: Any) -> RouterConfig:
         ),
         auth=doc.auth or AuthConfig(),
         routing=msgspec.structs.replace(doc.routing, prefix_aware=prefix_aware),
-        push=doc.push,
+        push=push,
         streaming=doc.streaming,
     )
 

@@ -100,4 +100,12 @@ def test_before_prefill_is_refused_outside_mode_kvferry(mode: str) -> None:
     raw = config(mode, p, d, **LATER)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"push.decode_start: 'before-prefill' needs mode kvferry"):
         parse_config(raw)
-    assert parse_config(config(mode, p, d)).push  # type: ignore[arg-type].decode_start == "with-prefill"
+    assert parse_config(config(mode, p, d)).push.decode_start == "with-prefill"  # type: ignore[arg-type]
+
+
+def test_kvferry_defers_decode_by_default_and_with_prefill_can_be_chosen() -> None:
+    p = SimpleNamespace(name="prefill-0", url="http://127.0.0.1:9")
+    d = SimpleNamespace(name="decode-0", url="http://127.0.0.1:10")
+    assert parse_config(config("kvferry", p, d)).push.decode_start == "before-prefill"  # type: ignore[arg-type]
+    chosen = config("kvferry", p, d, push={"decode_start": "with-prefill"})  # type: ignore[arg-type]
+    assert parse_config(chosen).push.decode_start == "with-prefill"
