@@ -43,16 +43,16 @@ ALL_MODES = (
     "vllm-push",
     "kvferry",
     "kvferry-bounded",
-    "kvferry-deferred",
+    "kvferry-at-once",
     "kvferry-early",
 )
 DEFAULT_MODES = ALL_MODES[:5]
-OURS = ("kvferry", "kvferry-bounded", "kvferry-deferred", "kvferry-early")
+OURS = ("kvferry", "kvferry-bounded", "kvferry-at-once", "kvferry-early")
 # kvferry with router settings (main fills them from the command line):
 # - bounded: the router's prefill queue bound (limits.max_prefill_wait_s, --max-wait): past saturation
 #   it sheds with 429 what it could not start in time. Its 429s are not failures.
-# - deferred: push.decode_start before-prefill (--decode-lead): decode's leg opens when prefill is about
-#   to start the request, so decode holds blocks only for requests whose KV is coming.
+# - at-once: push.decode_start with-prefill, decode's leg sent with prefill's (kvferry's default before
+#   2026-12-02; its default now opens decode's leg when prefill is about to start the request).
 # - early: streaming.first_token prefill: a greedy stream's first token is prefill's, sent at once.
 VARIANTS: dict[str, dict[str, Any]] = {}
 UPSTREAM = ("vllm-pull", "vllm-push")
@@ -271,9 +271,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-wait", type=float, default=1.0, help="kvferry-bounded: the router's limits.max_prefill_wait_s"
     )
-    parser.add_argument(
-        "--decode-lead", type=float, default=0.25, help="kvferry-deferred: the router's push.decode_lead_s"
-    )
     parser.add_argument("--lengths", default="256,512,1024")
     parser.add_argument("--rates", default="1,2,4,8")
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -296,9 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     VARIANTS["kvferry-bounded"] = {"limits": {"max_prefill_wait_s": args.max_wait}}
     VARIANTS["kvferry-early"] = {"streaming": {"first_token": "prefill"}}
-    VARIANTS["kvferry-deferred"] = {
-        "push": {"decode_start": "before-prefill", "decode_lead_s": args.decode_lead}
-    }
+    VARIANTS["kvferry-at-once"] = {"push": {"decode_start": "with-prefill"}}
     unknown = sorted(set(modes) - set(ALL_MODES))
     if unknown:
         parser.error(f"unknown mode(s) {unknown}; choose from {list(ALL_MODES)}")
