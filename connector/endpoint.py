@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+from kvferry.connector import actions as A
 from kvferry.connector import protocol as P
 from kvferry.connector.config import KvferryConfig
 from kvferry.connector.intake import admit
@@ -45,7 +46,7 @@ from kvferry.connector.writes import InFlight, StuckWrite, Write
 from kvferry.contracts.metrics import LAYOUT_MISMATCH
 
 log = logging.getLogger(__name__)
-Key = P.Key
+Key = A.Key
 PRUNE_EVERY_S = 5.0
 CONTACT_WINDOW_S = 5.0  # after a peer fetched our metadata, poll while it connects (UCX wire-up)
 
@@ -88,7 +89,7 @@ class Endpoint:
         core_args = dict(total_heads=layout.total_heads, rank=tp_rank, tp_size=tp_size, limits=limits)
         self.producer = P.ProducerCore(**core_args) if role == "producer" else None
         self.consumer = P.ConsumerCore(**core_args) if role == "consumer" else None
-        self._commands: queue.SimpleQueue[tuple[Callable[[float], list[P.Action]], Key]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[Callable[[float], list[A.Action]], Key]] = queue.SimpleQueue()
         self.dead: str = ""  # why the endpoint thread stopped serving ("" while it serves)
         self._wake, self._stop, self._ready = threading.Event(), threading.Event(), threading.Event()
         self._results, self._results_cv = Results(), threading.Condition()
@@ -161,7 +162,7 @@ class Endpoint:
         key = (request_id, attempt)
         deadline = deadline_s if deadline_s is not None else self.cfg.deadline_s
 
-        def run(now: float) -> list[P.Action]:
+        def run(now: float) -> list[A.Action]:
             if not 0 <= first_token < num_tokens or first_token % self.layout.block_size:
                 raise ValueError(
                     f"tokens [{first_token}, {num_tokens}) do not start on a "
@@ -191,7 +192,7 @@ class Endpoint:
             self._results_cv.wait_for(lambda: bool(self._results), timeout=timeout_s)
         return self.take_results()
 
-    def _submit(self, command: Callable[[float], list[P.Action]], key: Key) -> None:
+    def _submit(self, command: Callable[[float], list[A.Action]], key: Key) -> None:
         self._commands.put((command, key))
         self._wake.set()
 
@@ -276,7 +277,7 @@ class Endpoint:
 
     def _round(self) -> bool:
         now = time.monotonic()
-        actions: list[P.Action] = []
+        actions: list[A.Action] = []
         while True:
             try:
                 command, key = self._commands.get_nowait()
@@ -307,22 +308,22 @@ class Endpoint:
             self._last_pending = pending
         return active or bool(actions)
 
-    def _read_notifs(self, now: float) -> list[P.Action]:
+    def _read_notifs(self, now: float) -> list[A.Action]:
         # The round's first call that drives NIXL's progress: a stuck WRITE fences the rank before it.
         self.writes.fence(time.monotonic())
-        out: list[P.Action] = []
+        out: list[A.Action] = []
         for sender, messages in self.transport.notifs().items():
             for raw in messages:
                 try:
                     out += self._on_message(sender, raw, now)
                 except Exception as exc:  # e.g. a registration whose TP cannot split the heads
-                    out.append(P.Reject("invalid", f"from {sender}: {type(exc).__name__}: {exc}"))
+                    out.append(A.Reject("invalid", f"from {sender}: {type(exc).__name__}: {exc}"))
         return out
 
-    def _action_failed(self, action: P.Action, exc: Exception, now: float) -> None:
+    def _action_failed(self, action: A.Action, exc: Exception, now: float) -> None:
         log.exception("kvferry %s: %s failed", self.role, type(action).__name__)
         key = getattr(action, "key", None)
-        if isinstance(action, P.StartWrite):
+        if isinstance(action, A.StartWrite):
             self._feed(
                 self.producer.write_finished(key, action.reg.consumer_rank, False, "write_failed", now), now
             )
@@ -341,9 +342,9 @@ class Endpoint:
         else:
             self._publish(lambda r: r.released.append((key, "rejected")))
 
-    def _on_message(self, sender_agent: str, raw: bytes, now: float) -> list[P.Action]:
+    def _on_message(self, sender_agent: str, raw: bytes, now: float) -> list[A.Action]:
         msg = admit(raw, sender_agent, self.role, self.cfg.revision)
-        if isinstance(msg, P.Reject):
+        if isinstance(msg, A.Reject):
             return [msg]
         if isinstance(msg, Registration):
             # Wall clock across hosts (NTP-synced; the consumer's grace_s covers the skew), ours after.
@@ -353,8 +354,8 @@ class Endpoint:
             return self.producer.cancel(key, msg.consumer_engine, msg.consumer_rank, now)
         return self.consumer.notice(msg, now)
 
-    def _check_writes(self, now: float) -> list[P.Action]:
-        out: list[P.Action] = []
+    def _check_writes(self, now: float) -> list[A.Action]:
+        out: list[A.Action] = []
         for o in self.writes.check(self.transport, now):
             w = o.write
             if o.ok:
@@ -367,8 +368,8 @@ class Endpoint:
         return out
 
     # ---- actions ----
-    def _do(self, action: P.Action, now: float) -> None:
-        if isinstance(action, P.StartWrite):
+    def _do(self, action: A.Action, now: float) -> None:
+        if isinstance(action, A.StartWrite):
             self.metrics.record("reg_to_match", action.registration_to_match_s)
             reg = action.reg
             self.peers.with_peer(
@@ -378,7 +379,7 @@ class Endpoint:
                 reg.incarnation,
                 lambda agent, err: self._start_write(action, agent, err),
             )
-        elif isinstance(action, P.SendFailure):
+        elif isinstance(action, A.SendFailure):
             reg = action.reg
             msg = encode(
                 Failure(
@@ -398,7 +399,7 @@ class Endpoint:
                 reg.incarnation,
                 lambda agent, err: self._send(agent, msg, err),
             )
-        elif isinstance(action, P.Release):
+        elif isinstance(action, A.Release):
             self._publish(
                 lambda r: (
                     r.sent.append(action.key)
@@ -406,14 +407,14 @@ class Endpoint:
                     else r.released.append((action.key, action.reason))
                 )
             )
-        elif isinstance(action, P.Register | P.SendCancel):
+        elif isinstance(action, A.Register | A.SendCancel):
             self._to_producers(action, now)
-        elif isinstance(action, P.Received):
+        elif isinstance(action, A.Received):
             self._recv.pop(action.key, None)
             self.metrics.record("transfers", 1, self.role)
             self.metrics.record("receive_wait", action.wait_s)
             self._publish(lambda r: r.received.append(action.key))
-        elif isinstance(action, P.Failed):
+        elif isinstance(action, A.Failed):
             info = self._recv.pop(action.key, None)
             for rank in action.silent if info is not None else ():
                 self.peers.forget_address(info[0], info[1] + rank)  # re-handshake before the next use
@@ -421,14 +422,14 @@ class Endpoint:
             log_limited(log, logging.WARNING, ("failed", action.reason), "kvferry: receive of %s failed: %s",
                         action.key, action.reason)  # fmt: skip
             self._publish(lambda r: r.failed.append((action.key, action.reason)))
-        elif isinstance(action, P.Reject):
+        elif isinstance(action, A.Reject):
             self.metrics.record("rejected", 1, self.role, action.reason)
             # A peer (or an attacker) decides how many of these come: never log more than one a key
             # per interval; the counter above counts every one.
             log_limited(log, logging.WARNING, ("reject", action.reason), "kvferry %s ignored input (%s): %s",
                         self.role, action.reason, action.detail)  # fmt: skip
 
-    def _start_write(self, action: P.StartWrite, agent: str | None, err: str) -> None:
+    def _start_write(self, action: A.StartWrite, agent: str | None, err: str) -> None:
         key, reg, now = action.key, action.reg, time.monotonic()
         if agent is None:
             self._feed(
@@ -469,14 +470,14 @@ class Endpoint:
             log.error("kvferry: layout mismatch with %s, refusing every transfer: %s", agent, why)
         return why
 
-    def _to_producers(self, action: P.Register | P.SendCancel, now: float) -> None:
+    def _to_producers(self, action: A.Register | A.SendCancel, now: float) -> None:
         info, expected = self._recv.get(action.key), self.consumer.expected.get(action.key)
         if info is None or expected is None:
             return
         host, port, blocks, first_token, num_tokens = info
         rid, attempt = action.key
         for rank in action.producer_ranks:
-            if isinstance(action, P.SendCancel):
+            if isinstance(action, A.SendCancel):
                 cancel = Cancel(rid, attempt, self.engine_id, self.tp_rank, self.cfg.revision)
                 self._deliver(host, port + rank, expected.producer_engine, encode(cancel), None)
                 continue
@@ -529,6 +530,6 @@ class Endpoint:
             self.peers.forget(agent)
             return False
 
-    def _feed(self, actions: list[P.Action], now: float) -> None:
+    def _feed(self, actions: list[A.Action], now: float) -> None:
         for action in actions:
             self._do(action, now)

@@ -7,7 +7,7 @@ peer of another revision (docs/security.md) or a message this role does not take
 
 from __future__ import annotations
 
-from kvferry.connector.protocol import Reject
+from kvferry.connector.actions import Reject
 from kvferry.connector.wire import Cancel, Done, Failure, Message, Registration, WireError, decode
 
 # Typed by the Message union: inferred, tuples of the common base class, mypy would see every message match.

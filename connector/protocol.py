@@ -21,85 +21,20 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvferry.connector.actions import (
+    Action,
+    Failed,
+    Key,
+    Received,
+    Register,
+    Reject,
+    Release,
+    SendCancel,
+    SendFailure,
+    StartWrite,
+)
 from kvferry.connector.layout import overlapping_ranks
 from kvferry.connector.wire import Done, Failure, Registration
-
-Key = tuple[str, int]  # (request_id, attempt)
-
-
-# ---- actions ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StartWrite:
-    """Producer: write tokens [reg.first_token, num_tokens) of `block_ids` (the prompt's blocks from
-    token 0) to the consumer rank named in `reg` (whose block ids start at reg.first_token)."""
-
-    key: Key
-    reg: Registration
-    block_ids: list[list[int]]
-    num_tokens: int
-    registration_to_match_s: float  # how long the finished prefill waited (0: registration came first)
-    deadline: float = float("inf")  # the consumer's deadline (local clock): re-checked before posting
-
-
-@dataclass(frozen=True)
-class SendFailure:
-    """Producer: tell the consumer rank of `reg` that it will not get this KV, and why."""
-
-    reg: Registration
-    reason: str
-
-
-@dataclass(frozen=True)
-class Release:
-    """Producer: the source blocks of `key` may be freed (reason: sent, lease_expired, ...)."""
-
-    key: Key
-    reason: str
-
-
-@dataclass(frozen=True)
-class Reject:
-    """Either side: an input was ignored (reason is a metric label, detail is for the log)."""
-
-    reason: str
-    detail: str
-
-
-@dataclass(frozen=True)
-class Register:
-    """Consumer: send the registration for `key` to these producer ranks."""
-
-    key: Key
-    producer_ranks: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SendCancel:
-    """Consumer: tell these producer ranks not to start writing `key`."""
-
-    key: Key
-    producer_ranks: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Received:
-    """Consumer: all KV of `key` has landed."""
-
-    key: Key
-    wait_s: float
-
-
-@dataclass(frozen=True)
-class Failed:
-    """Consumer: `key` will not be (fully) received; the caller reports a load failure. `silent`: the
-    producer ranks that never answered at all (their connection may be broken: fetch them again)."""
-
-    key: Key
-    reason: str
-    silent: tuple[int, ...] = ()
-
-
-Action = StartWrite | SendFailure | Release | Reject | Register | SendCancel | Received | Failed
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 
 import pytest
+from kvferry.connector.actions import Reject
 from kvferry.connector.config import KvferryConfig
 from kvferry.connector.intake import admit
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.peers import Peers
-from kvferry.connector.protocol import Reject
 from kvferry.connector.wire import Cancel, Done, Failure, Registration, WireError, decode, encode
 
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from kvferry.connector.protocol import (
-    ConsumerCore,
+from kvferry.connector.actions import (
     Failed,
-    Limits,
-    ProducerCore,
     Received,
     Register,
     Reject,
@@ -15,6 +12,7 @@ from kvferry.connector.protocol import (
     SendFailure,
     StartWrite,
 )
+from kvferry.connector.protocol import ConsumerCore, Limits, ProducerCore
 from kvferry.connector.wire import Done, Failure, Registration
 
 BLOCKS = [[1, 2, 3]]

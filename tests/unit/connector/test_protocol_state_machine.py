@@ -36,12 +36,8 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from kvferry.connector.layout import overlapping_ranks
-from kvferry.connector.protocol import (
-    ConsumerCore,
+from kvferry.connector.actions import (
     Failed,
-    Limits,
-    ProducerCore,
     Received,
     Register,
     Reject,
@@ -50,6 +46,8 @@ from kvferry.connector.protocol import (
     SendFailure,
     StartWrite,
 )
+from kvferry.connector.layout import overlapping_ranks
+from kvferry.connector.protocol import ConsumerCore, Limits, ProducerCore
 from kvferry.connector.wire import Cancel, Done, Failure, Registration
 
 HEADS = 4
