@@ -26,6 +26,7 @@ from kvferry.connector.config import KvferryConfig
 from kvferry.connector.intake import admit
 from kvferry.connector.layout import KVLayout, refusal
 from kvferry.connector.metrics import Metrics
+from kvferry.connector.notify import Notifier, Receive
 from kvferry.connector.pacing import Load, Usage, next_wait
 from kvferry.connector.peers import Peers
 from kvferry.connector.preflight import backend_checks, efa_checks
@@ -101,10 +102,10 @@ class Endpoint:
         self._contact_until = 0.0  # a peer is connecting until then (set by the side-channel thread)
         self._last_pending: dict[str, int] = {}
         self.recent = self.writes.recent  # completed WRITEs (benchmark, debugging)
-        # consumer: producer host, port; blocks, first token, end token
-        self._recv: dict[Key, tuple[str, int, list[list[int]], int, int]] = {}
+        self._recv: dict[Key, Receive] = {}  # consumer
         self.transport: NixlTransport | None = None
         self.side: SideChannelServer | None = None
+        self.notifier: Notifier | None = None
         self._refused: set[str] = set()  # peer agents whose layout mismatch was logged
         self._next_prune = 0.0
 
@@ -254,6 +255,10 @@ class Endpoint:
         self.side = SideChannelServer(
             self.cfg.side_channel_host, port, encode(info), on_contact=self._contacted
         )
+        self.notifier = Notifier(
+            self.cfg, self.transport, self.peers, self.metrics, me=info, side_port=self.side_port,
+            role=self.role, refusal=partial(self._refusal, consumer_side=True),
+        )  # fmt: skip
 
     def _teardown(self) -> None:
         if self.side is not None:
@@ -380,25 +385,7 @@ class Endpoint:
                 lambda agent, err: self._start_write(action, agent, err),
             )
         elif isinstance(action, A.SendFailure):
-            reg = action.reg
-            msg = encode(
-                Failure(
-                    reg.request_id,
-                    reg.attempt,
-                    self.engine_id,
-                    self.tp_rank,
-                    action.reason,
-                    self.cfg.revision,
-                )
-            )
-            self.metrics.record("failures", 1, self.role, action.reason)
-            self.peers.with_peer(
-                reg.consumer_host,
-                reg.consumer_port,
-                reg.consumer_engine,
-                reg.incarnation,
-                lambda agent, err: self._send(agent, msg, err),
-            )
+            self.notifier.failure(action.reg, action.reason)
         elif isinstance(action, A.Release):
             self._publish(
                 lambda r: (
@@ -474,21 +461,8 @@ class Endpoint:
         info, expected = self._recv.get(action.key), self.consumer.expected.get(action.key)
         if info is None or expected is None:
             return
-        host, port, blocks, first_token, num_tokens = info
-        rid, attempt = action.key
-        for rank in action.producer_ranks:
-            if isinstance(action, A.SendCancel):
-                cancel = Cancel(rid, attempt, self.engine_id, self.tp_rank, self.cfg.revision)
-                self._deliver(host, port + rank, expected.producer_engine, encode(cancel), None)
-                continue
-            deadline_unix = time.time() + expected.deadline - now
-            reg = Registration(
-                rid, attempt, self.engine_id, self.tp_rank, self.tp_size, self.cfg.side_channel_host,
-                self.side_port, self.incarnation, num_tokens, blocks, self.cfg.revision,
-                self.layout.fingerprint, deadline_unix, first_token,
-            )  # fmt: skip
-            fail = partial(self._registration_failed, action.key, expected.producer_engine, rank)
-            self._deliver(host, port + rank, expected.producer_engine, encode(reg), fail)
+        fail = partial(self._registration_failed, action.key, expected.producer_engine)
+        self.notifier.to_producers(action, info, expected.producer_engine, expected.deadline, now, fail)
 
     def _registration_failed(self, key: Key, engine: str, rank: int, why: str) -> None:
         """Producer rank `rank` will never see our registration: count it as its Failure."""
@@ -496,39 +470,6 @@ class Endpoint:
         self._feed(
             self.consumer.notice(Failure(key[0], key[1], engine, rank, why, self.cfg.revision), now), now
         )
-
-    def _deliver(
-        self, host: str, port: int, engine: str, payload: bytes, failed: Callable[[str], None] | None,
-        retried: bool = False,
-    ) -> None:  # fmt: skip
-        """Send to the producer rank at host:port. A send to a cached agent that fails means the peer
-        restarted (same engine id, new agent) or its connection broke: fetch it again and retry once,
-        so a restart never fails a request that can still be served. `failed(why)` on failure; a
-        registration is never sent to a rank whose layout we would refuse."""
-
-        def then(agent: str | None, err: str) -> None:
-            if agent is not None and failed is not None and self._refusal(agent, consumer_side=True):
-                failed(LAYOUT_MISMATCH)
-            elif not self._send(agent, payload, err):
-                if agent is not None and not retried:
-                    self.metrics.record("handshakes", 1, "retried")
-                    self._deliver(host, port, engine, payload, failed, retried=True)
-                elif failed is not None:
-                    failed("handshake_failed")
-
-        self.peers.with_peer(host, port, engine, None, then)
-
-    def _send(self, agent: str | None, payload: bytes, err: str) -> bool:
-        if agent is None:
-            log_limited(log, logging.WARNING, "notify", "kvferry: cannot notify a peer: %s", err)
-            return False
-        try:
-            self.transport.send(agent, payload)
-            return True
-        except Exception as exc:  # a dead or replaced peer: forget it so the next use refetches
-            log_limited(log, logging.WARNING, "notify", "kvferry: notification to %s failed: %s", agent, exc)
-            self.peers.forget(agent)
-            return False
 
     def _feed(self, actions: list[A.Action], now: float) -> None:
         for action in actions:
