@@ -23,7 +23,9 @@ from kvferry.tools.pdstack import PdStack
 # On the shared kvferry pair (tests/e2e/shared_stack.py); the soak itself ~2 min.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
-_spec = importlib.util.spec_from_file_location("bench_soak", Path(__file__).parents[2] / "bench" / "soak.py")
+_bench = Path(__file__).parents[2] / "bench"
+sys.path.append(str(_bench))  # soak.py imports its sibling soak_report, as when run as a script
+_spec = importlib.util.spec_from_file_location("bench_soak", _bench / "soak.py")
 assert _spec is not None and _spec.loader is not None
 soak = sys.modules["bench_soak"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
 _spec.loader.exec_module(soak)

@@ -6,7 +6,9 @@ import importlib.util
 import sys
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("bench_soak", Path(__file__).parents[3] / "bench" / "soak.py")
+_bench = Path(__file__).parents[3] / "bench"
+sys.path.append(str(_bench))  # soak.py imports its sibling soak_report, as when run as a script
+_spec = importlib.util.spec_from_file_location("bench_soak", _bench / "soak.py")
 assert _spec is not None and _spec.loader is not None
 soak = sys.modules["bench_soak"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
 _spec.loader.exec_module(soak)
