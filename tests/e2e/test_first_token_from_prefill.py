@@ -1,7 +1,8 @@
-"""streaming.first_token prefill on real vLLM engines (kvferry pair): every greedy stream starts with
-prefill's token, and the whole stream (prefill's token, then decode's) equals the single instance's
-output token for token; decode's copy of the first token matched prefill's every time (no
-first_token_mismatch), except where the reference itself has a numeric tie at token 0."""
+"""streaming.first_token prefill on real vLLM engines (kvferry pair): greedy streams start with
+prefill's token (when its answer beats decode's first token to the router), and every stream (prefill's
+token, then decode's) equals the single instance's output token for token; decode's copy of the first
+token matched prefill's every time (no first_token_mismatch), except where the reference itself has a
+numeric tie at token 0."""
 
 from __future__ import annotations
 
@@ -41,12 +42,25 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> 
 
 
 def _streamed(base: str) -> dict[str, Any]:
+    """Every fixed request streamed, one at a time; `early` says whether its stream started with
+    prefill's token (the router's counter went up). Early is a race by design: when decode's first
+    token reaches the router before prefill's answer, the stream starts with decode's, as without it."""
+
     async def run() -> dict[str, Any]:
+        out = {}
         async with httpx.AsyncClient(timeout=120) as client:
-            jobs = [_stream(client, base + path, body) for _, path, body in requests()]
-            return dict(zip([k for k, _, _ in requests()], await asyncio.gather(*jobs), strict=True))
+            for key, path, body in requests():
+                before = await _early_count(client, base)
+                out[key] = await _stream(client, base + path, body)
+                out[key]["early"] = await _early_count(client, base) > before
+        return out
 
     return asyncio.run(run())
+
+
+async def _early_count(client: httpx.AsyncClient, base: str) -> float:
+    metrics = parse_metrics((await client.get(base + "/metrics")).text)
+    return metric_sum(metrics, "kvferry_router_first_token_from_prefill_total")
 
 
 def test_streams_start_with_prefills_token_and_equal_the_single_instance(
@@ -64,8 +78,10 @@ def test_streams_start_with_prefills_token_and_equal_the_single_instance(
     mismatches, ties = compare_greedy(want, ok, gaps)
     assert not mismatches, mismatches
     assert len(ties) + len(mismatched) <= 2, (ties, mismatched)
-    started_early = metric_sum(metrics, "kvferry_router_first_token_from_prefill_total")
-    assert started_early >= len(requests()) - 1, f"only {started_early} of {len(requests())} started early"
+    early = sorted(k for k, g in got.items() if g.get("early"))
+    # One at a time, prefill's answer normally wins the race (4 of 4 in a probe); none would mean the
+    # feature never engaged and the comparison above proved nothing about it.
+    assert len(early) >= 3, f"only {early} of {len(got)} streams started with prefill's token"
     assert metric_sum(metrics, "kvferry_router_leg_errors_total", reason="first_token_mismatch") == len(
         mismatched
     )
