@@ -132,8 +132,8 @@ class Kube:
     requests: Counter = field(default_factory=Counter)  # "VERB kind" -> count
     forbidden: Counter = field(default_factory=Counter)  # 403s by "VERB kind": RBAC gaps show up here
     on_request: Callable[[str, str, int], None] | None = None  # (verb, kind, HTTP status) hook for metrics
-    # (namespace, name) -> the CR as the operator's last status write stored it (status/publish.py)
-    written: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    # (namespace, name) -> the CR as the operator's last status write stored it, packed (status/publish.py)
+    written: dict[tuple[str, str], bytes] = field(default_factory=dict)
     # API group -> (monotonic time read, served): discovery answers, kept DISCOVERY_TTL_S (serves()).
     discovered: dict[str, tuple[float, bool]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -7,7 +7,8 @@
 - Timers per CR: transfer metrics (`scrape`) and a slow full resync (drift the watches missed).
 - Shards: with KVFERRY_SHARD=i/n every handler, timer and index takes only the CRs `shard.owns`.
 - Indexes: the CRs, their workloads by role, and every managed object ("copies"), so a reconcile
-  writes only what differs from the watch's copy.
+  writes only what differs from the watch's copy. CRs and copies are packed (operator/packed.py), the
+  workloads trimmed to what status reads (`watched_copy`): memory at 1,000 CRs (issue 19).
 Handlers return None so kopf writes nothing into status; its progress lives in kvferry.io annotations.
 """
 
@@ -26,6 +27,7 @@ from kvferry.operator.autoscale import timer as autoscale_timer
 from kvferry.operator.changes import Change, Changes
 from kvferry.operator.coalesce import Coalescer
 from kvferry.operator.config import OperatorConfig
+from kvferry.operator.packed import pack, unpack
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 from kvferry.operator.status import publish, scrape
 
@@ -96,6 +98,38 @@ def _first(index: Any, key: Any) -> Any:
         return None
 
 
+def cr_of(inferences: Any, key: Any) -> dict[str, Any] | None:
+    """The CR as the `inferences` index last saw it (a fresh parse: the caller may keep or change it)."""
+    return unpack(_first(inferences, key)) if key else None
+
+
+def watched_copy(body: Any) -> dict[str, Any]:
+    """What the status, drift and autoscale code reads of a watched StatefulSet/Deployment, and no more.
+
+    Readers: status.conditions (role_status, role_problem, router_problem, summarize: the whole status,
+    metadata.generation, spec.template.metadata.labels), publish.desired_replicas (spec.replicas),
+    publish.newer/_versions and the autoscaler (metadata.resourceVersion, spec.replicas,
+    status.readyReplicas). A whole StatefulSet is ~16 KiB parsed; this is ~1 (issue 19).
+    """
+    meta, spec = body["metadata"], body.get("spec") or {}
+    keep_meta = ("name", "namespace", "uid", "resourceVersion", "generation", "labels")
+    out: dict[str, Any] = {
+        "apiVersion": body.get("apiVersion"),
+        "kind": body.get("kind"),
+        "metadata": {k: meta[k] for k in keep_meta if k in meta},
+        "spec": {k: spec[k] for k in ("replicas",) if k in spec},
+    }
+    template = spec.get("template")
+    if template is not None:
+        out["spec"]["template"] = {k: template[k] for k in ("metadata",) if k in template}
+        if "metadata" in template:
+            tmeta = template["metadata"] or {}
+            out["spec"]["template"]["metadata"] = {k: tmeta[k] for k in ("labels",) if k in tmeta}
+    if "status" in body:
+        out["status"] = body["status"]
+    return json.loads(json.dumps(out))  # plain dicts of its own, nothing shared with kopf's body
+
+
 def watched_by(owned: Any, cr: Any) -> publish.Watched:
     """The CR's workloads as the watch last saw them, looked up when asked (a reconcile runs long)."""
     ns, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
@@ -109,8 +143,7 @@ def stored_by(copies: Any, cr: Any) -> reconcile.Stored:
         return reconcile.nothing_stored
 
     def stored(kind: str, obj_name: str) -> dict[str, Any] | None:
-        packed = _first(copies, (ns, name, kind, obj_name))
-        return json.loads(packed) if packed is not None else None
+        return unpack(_first(copies, (ns, name, kind, obj_name)))
 
     return stored
 
@@ -202,7 +235,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         def refresh(key: Any) -> None:
             # kopf hands indexes to handlers only: the workload handlers leave them in memo.views.
             inferences, owned = memo.views["inferences"], memo.views["owned"]
-            cr = _first(inferences, key)
+            cr = cr_of(inferences, key)
             if cr is None or cr["metadata"].get("deletionTimestamp"):
                 return  # deleted meanwhile
             watched = watched_by(owned, cr)
@@ -243,14 +276,14 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     async def inferences(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict:
         cr = _plain(body)
         cr["metadata"].pop("managedFields", None)  # never read; most of a CR's size after a few writes
-        return {(namespace, name): cr}
+        return {(namespace, name): pack(cr)}
 
     @kopf.index("apps", "v1", "statefulsets", labels=MANAGED, id="owned", when=mine_owned, registry=registry)
     @kopf.index("apps", "v1", "deployments", labels=MANAGED, id="owned", when=mine_owned, registry=registry)
     async def owned(body: kopf.Body, **_: Any) -> dict:
         key = owner_key(body)
         role = body["metadata"].get("labels", {}).get(names.LABEL_ROLE)
-        return {(*key, role): (_plain(body) if legacy else _stripped(body))} if key else {}
+        return {(*key, role): (_plain(body) if legacy else watched_copy(body))} if key else {}
 
     if not legacy:
         for group, version, plural in ALL_RENDERED:
@@ -260,9 +293,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             )
             async def copies(body: kopf.Body, **_: Any) -> dict:
                 key = owner_key(body)
-                # Packed as JSON text: a parsed copy of every object of every CR is ~10x its text in
-                # memory, and the reconcile reads the copies of one CR at a time.
-                packed = json.dumps(_stripped(body), separators=(",", ":"))
+                packed = pack(_stripped(body))
                 return {(*key, body["kind"], body["metadata"]["name"]): packed} if key else {}
 
     @kopf.on.resume(*CR, id="reconcile", when=mine, registry=registry)
@@ -287,14 +318,15 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             event: dict, body: kopf.Body, memo: kopf.Memo, inferences: kopf.Index, owned: kopf.Index, **_: Any
         ) -> None:
             key = owner_key(body)
-            cr = _first(inferences, key) if key else None
             memo.views.update(inferences=inferences, owned=owned, context=contextvars.copy_context())
             change = memo.changes.note(body, event.get("type")) if not legacy else None
             if change is Change.NONE:
                 return  # nothing we render or show moved (our own apply, an annotation, the listing)
-            if change is Change.REFRESH and cr is not None and memo.refreshes is not None:
+            known = key is not None and _first(inferences, key) is not None
+            if change is Change.REFRESH and known and memo.refreshes is not None:
                 memo.refreshes.request(key)  # folded with the CR's other workload events into one patch
                 return
+            cr = cr_of(inferences, key) if known else None
             if cr is None or event.get("type") not in ("MODIFIED", "DELETED"):
                 log.debug(
                     "owned event %s %s: owner %s %s",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 
-from kubernetes.client import AppsV1Api
 from kubernetes.client.exceptions import ApiException
 from kvferry.operator import names
 from kvferry.operator.apply import REQUEST_TIMEOUT_S, Kube, KubeError
@@ -38,6 +37,10 @@ def scale(kube: Kube, namespace: str, cr_name: str, role: str, replicas: int, re
     """Set the role's StatefulSet replicas through /scale, only over `resource_version`; KubeError else."""
     name = names.role_name(cr_name, role)
     body = {"metadata": {"resourceVersion": resource_version}, "spec": {"replicas": replicas}}
+    # Imported here: the generated API module and its models are ~12 MiB of an operator that only
+    # scales when a CR asks for it (issue 19; every other request goes through Kube's raw calls).
+    from kubernetes.client import AppsV1Api
+
     try:
         AppsV1Api(kube.api).patch_namespaced_stateful_set_scale(
             name, namespace, body, _content_type=MERGE_PATCH, _request_timeout=REQUEST_TIMEOUT_S

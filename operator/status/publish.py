@@ -17,6 +17,7 @@ from typing import Any
 
 from kvferry.operator import names
 from kvferry.operator.apply import Kube, KubeError, now_iso
+from kvferry.operator.packed import pack, unpack
 from kvferry.operator.status import conditions as status
 from kvferry.operator.status.conditions import Observed, Verdict
 
@@ -56,8 +57,8 @@ def _last_written(kube: Kube, key: tuple[str, str]) -> dict[str, Any] | None:
     if written is None:
         return None
     with _written_lock:
-        found: dict[str, Any] | None = written.get(key)
-    return found
+        found: bytes | None = written.get(key)
+    return unpack(found)
 
 
 def _remember(kube: Kube, key: tuple[str, str], stored: Any) -> None:
@@ -71,7 +72,7 @@ def _remember(kube: Kube, key: tuple[str, str], stored: Any) -> None:
         kept = {k: stored[k] for k in ("metadata", "spec", "status") if k in stored}
         # managedFields are never read from it and, after a few writers, most of a CR's size.
         kept["metadata"] = {k: v for k, v in stored["metadata"].items() if k != "managedFields"}
-        written[key] = kept
+        written[key] = pack(kept)  # packed: a parsed CR is ~10x its text (issue 19, memory per CR)
         while len(written) > WRITTEN_MAX:  # bounded: the oldest entries go first
             del written[next(iter(written))]
 
