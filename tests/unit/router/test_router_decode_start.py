@@ -27,11 +27,15 @@ def prompt(i: int, tokens: int) -> dict:
     return {"model": "tiny", "prompt": list(range(10_000 * i, 10_000 * i + tokens)), "max_tokens": 2}
 
 
-def prime(client: TestClient, p: FakeEngine, tokens_per_s: float) -> None:
-    """Give the router's backlog a measured prefill rate without waiting for one."""
+async def one_ahead(client: TestClient, p: FakeEngine, tokens_per_s: float, tokens: int) -> asyncio.Task:
+    """Give the router's backlog a measured prefill rate (without waiting for one), then open a first
+    request of `tokens` on P; returns its task once its prefill leg is open."""
     backlog = router_state(client)["backlog"]
     backlog.started(p.url, int(tokens_per_s), 0.0)
     backlog.finished(p.url, int(tokens_per_s), 1.0)
+    first = asyncio.create_task(client.post("/v1/completions", json=prompt(1, tokens)))
+    await wait_until_async(lambda: backlog.engines[p.url].legs == 1, "the first prefill leg open", 10)
+    return first
 
 
 def seen_at(engine: FakeEngine, i: int) -> float:
@@ -40,10 +44,7 @@ def seen_at(engine: FakeEngine, i: int) -> float:
 
 def test_decode_opens_when_prefill_ends_even_if_the_estimate_says_later() -> None:
     async def check(client: TestClient, p: FakeEngine, d: FakeEngine) -> None:
-        prime(client, p, 1000)
-        first = asyncio.create_task(client.post("/v1/completions", json=prompt(1, 5000)))
-        backlog = router_state(client)["backlog"]
-        await wait_until_async(lambda: backlog.engines[p.url].legs == 1, "the first prefill leg open", 10)
+        first = await one_ahead(client, p, 1000, 5000)
         # 5,000 tokens ahead at 1,000/s: the estimate says 5 s; P's leg actually ends after 0.3 s.
         resp = await client.post("/v1/completions", json=prompt(2, 100))
         assert resp.status == 200 and (await first).status == 200
@@ -58,10 +59,7 @@ def test_decode_opens_when_prefill_ends_even_if_the_estimate_says_later() -> Non
 
 def test_decode_opens_before_prefill_ends_when_the_estimate_is_due() -> None:
     async def check(client: TestClient, p: FakeEngine, d: FakeEngine) -> None:
-        prime(client, p, 1000)
-        first = asyncio.create_task(client.post("/v1/completions", json=prompt(1, 300)))
-        backlog = router_state(client)["backlog"]
-        await wait_until_async(lambda: backlog.engines[p.url].legs == 1, "the first prefill leg open", 10)
+        first = await one_ahead(client, p, 1000, 300)
         second = asyncio.create_task(client.post("/v1/completions", json=prompt(2, 100)))
         # 300 tokens ahead: due after 0.3 - 0.05 s, while P's 1.5 s leg still runs.
         await wait_until_async(lambda: len(d.seen), "D's second leg", 10, until=lambda n: n == 2)
@@ -74,11 +72,8 @@ def test_decode_opens_before_prefill_ends_when_the_estimate_is_due() -> None:
 
 def test_a_client_gone_before_decode_was_sent_frees_prefill_at_once() -> None:
     async def check(client: TestClient, p: FakeEngine, d: FakeEngine) -> None:
-        prime(client, p, 100)
-        first = asyncio.create_task(client.post("/v1/completions", json=prompt(1, 1000)))
-        dispatcher = router_state(client)["dispatcher"]
-        backlog = router_state(client)["backlog"]
-        await wait_until_async(lambda: backlog.engines[p.url].legs == 1, "the first prefill leg open", 10)
+        first = await one_ahead(client, p, 100, 1000)
+        dispatcher, backlog = router_state(client)["dispatcher"], router_state(client)["backlog"]
         url = str(client.make_url("/v1/completions"))
         async with aiohttp.ClientSession() as session:
             with contextlib.suppress(asyncio.TimeoutError):  # gives up 10 s before D would open
