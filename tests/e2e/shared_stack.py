@@ -5,7 +5,8 @@ pair of one mode with default settings. A test asks for one with the marker
 `@pytest.mark.shared_stack("kvferry")` and the fixture `shared_stack`:
 
 - collection moves the tests of one key next to each other (at its first test's place), so each pair
-  starts once; tests marked `shared_stack(key, breaks=True)` (they kill or restart engines) go last,
+  starts once; tests marked `shared_stack(key, breaks=True)` (they kill or restart engines, or leave
+  prompts in an engine's prefix cache that other tests must not find there) go last,
   so the others see the pair as it started;
 - the pair is stopped as soon as the next test does not use it, so two pairs never live at once
   (~3 GiB per server) and no other test's CPU is shared with an idle pair;

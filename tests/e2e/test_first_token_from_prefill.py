@@ -17,7 +17,9 @@ from kvferry.tools.pdstack import PdStack
 
 from .pdclient import TIE_LOGPROB, compare_greedy, requests
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200), pytest.mark.shared_stack("kvferry")]
+# Last of the shared pair's tests (breaks=True): it leaves the fixed prompts in decode's prefix cache,
+# where the KV-over-NIXL checks of the other tests must not find them.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200), pytest.mark.shared_stack("kvferry", breaks=True)]
 DEADLINES = {"prefill_s": 60, "decode_first_token_s": 60, "transfer_s": 10, "total_s": 120}
 
 
