@@ -121,7 +121,7 @@ def watched_copy(body: Any) -> dict[str, Any]:
     }
     template = spec.get("template")
     if template is not None:
-        out["spec"]["template"] = {k: template[k] for k in ("metadata",) if k in template}
+        out["spec"]["template"] = {}
         if "metadata" in template:
             tmeta = template["metadata"] or {}
             out["spec"]["template"]["metadata"] = {k: tmeta[k] for k in ("labels",) if k in tmeta}

@@ -188,14 +188,14 @@ async def _relay(
             state["metrics"].ttft.labels(cfg.mode).observe(time.monotonic() - started)
             body = web.Response(body=leg.first, status=200, content_type="application/json", headers=headers)
             return body, outcome
-        early_start = first is not None and first.response is not None
-        resp = first.response if first and first.response else web.StreamResponse(headers={**headers, **_SSE})
+        started_early = first.response if first else None  # prefill's token already sent on it
+        resp = started_early if started_early is not None else web.StreamResponse(headers={**headers, **_SSE})
         echo = first.echo() if first else None  # the router asked for ids: check and strip them
         try:
-            if not resp.prepared:
+            if started_early is None:
                 await resp.prepare(request)
             await resp.write(echo.feed(leg.first) if echo else leg.first)
-            if not early_start:
+            if started_early is None:
                 state["metrics"].ttft.labels(cfg.mode).observe(time.monotonic() - started)
             remaining = started + cfg.deadlines.total_s - time.monotonic()
             await asyncio.wait_for(_pipe(leg, resp, echo), max(remaining, 0.1))

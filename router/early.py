@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.router.sse import delta_has_output
+
 # Requests whose first event cannot be mirrored from a 1-token answer, or whose first token is not
 # determined by the prompt's KV alone.
 _NOT_ELIGIBLE = ("logprobs", "top_logprobs", "echo", "tools", "tool_choice", "functions", "response_format")
@@ -125,7 +127,7 @@ class DecodeEcho:
             keep = self._take_first(event)
             if not keep:
                 return b""
-        return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n"
+        return _data(event) + b"\n"
 
     def _take_first(self, event: dict[str, Any]) -> bool:
         """Remove the already-sent token from the event that carries it; False: drop the event."""
@@ -178,10 +180,7 @@ def _strip_ids(event: dict[str, Any], keep_first: bool) -> None:
 
 
 def _has_text(choice: dict[str, Any], chat: bool) -> bool:
-    delta = choice.get("delta")
-    if chat:
-        return isinstance(delta, dict) and any(v for k, v in delta.items() if k != "role")
-    return bool(choice.get("text"))
+    return delta_has_output(choice.get("delta")) if chat else bool(choice.get("text"))
 
 
 def _brief(choice: dict[str, Any]) -> str:
@@ -189,4 +188,9 @@ def _brief(choice: dict[str, Any]) -> str:
 
 
 def _sse(event: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+    """A whole SSE event: its data line and the blank line that ends it."""
+    return _data(event) + b"\n\n"
+
+
+def _data(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode()

@@ -81,6 +81,9 @@ def _event_verdict(event: dict[str, Any]) -> FirstEvent | None:
 def _has_output(choice: dict[str, Any]) -> bool:
     if choice.get("finish_reason") is not None or choice.get("text") or choice.get("token_ids"):
         return True
-    delta = choice.get("delta")
-    # Any generated delta counts (content, tool_calls, reasoning); the role alone does not.
+    return delta_has_output(choice.get("delta"))
+
+
+def delta_has_output(delta: Any) -> bool:
+    """A chat delta with anything generated (content, tool_calls, reasoning); the role alone is not."""
     return isinstance(delta, dict) and any(v for k, v in delta.items() if k != "role")
