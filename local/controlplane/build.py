@@ -59,7 +59,7 @@ COMPONENTS = (
     Component("lws", versions.LWS, ("lws-controller",)),
 )
 # Built only when asked for (`ensure_built(ON_DEMAND)`, `kvferry cluster build --with kueue`): Kueue's
-# cold build alone is ~15 min on 2 cores, which a cold CI run cannot add (docs/control-plane.md).
+# cold build alone is ~15 min on 2 cores; a test run builds it in the background (tests/cluster/on_demand.py).
 ON_DEMAND = (Component("kueue", versions.KUEUE, ("kueue-controller",)),)
 
 

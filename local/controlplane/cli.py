@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
         dest="with_",
         action="append",
         choices=[c.name for c in build.ON_DEMAND],
-        help="also build an on-demand component (kueue: ~15 min cold; for `pytest -m kueue`)",
+        help="also build an on-demand component (kueue: ~15 min cold; the kueue tests need it)",
     )
     up = sub.add_parser("up", help="start a control plane with fake nodes")
     up.add_argument(

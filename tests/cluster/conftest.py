@@ -19,6 +19,7 @@ import pytest
 from kvferry.local.controlplane import ControlPlane, ControlPlaneError, build
 from kvferry.local.controlplane.kubeconfig import read_server_and_ca
 
+from tests.cluster import on_demand
 from tests.waiting import WaitTimeout, wait_until
 
 NAMESPACE_READY_TIMEOUT_S = 30.0
@@ -27,32 +28,29 @@ _HERE = Path(__file__).parent
 _STARTED_IN: list[tuple[float, dict[str, float]]] = []
 
 
-# Slow tier: tests whose component is built on demand (build.ON_DEMAND: Kueue, ~15 min cold) run only
-# when `-m` names their marker, so a cold CI run never builds it (docs/verification.md "Test tiers").
-ON_DEMAND_MARKERS = ("kueue",)
-
-
 @pytest.hookimpl(tryfirst=True)  # before `-m` selection reads the markers
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _HERE in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.cluster)
-    asked = config.getoption("markexpr") or ""
-    skipped = [m for m in ON_DEMAND_MARKERS if m not in asked]
-    dropped = [i for i in items if any(i.get_closest_marker(m) for m in skipped)]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = [i for i in items if i not in dropped]
 
 
+@pytest.hookimpl(trylast=True)  # after selection and the other orderings (tests/e2e/shared_stack.py)
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """If a cluster test runs, build the binaries (tens of minutes cold) here, outside any test timeout."""
+    """If a cluster test runs, build the binaries (tens of minutes cold) here, outside any test timeout;
+    start the on-demand ones (Kueue) in the background and run their tests last (on_demand.py)."""
     if not any(item.get_closest_marker("cluster") for item in session.items):
         return
-    extra = build.ON_DEMAND if any(i.get_closest_marker("kueue") for i in session.items) else ()
     capture = session.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():  # show the build's progress lines
-        build.ensure_built(extra=extra)
+        build.ensure_built()
+        if any(on_demand.needs_on_demand(i) for i in session.items):
+            on_demand.last(session.items)
+            on_demand.start_if_missing()
+
+
+def pytest_sessionfinish() -> None:
+    on_demand.stop()
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

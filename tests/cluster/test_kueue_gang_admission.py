@@ -3,8 +3,8 @@ the real operator: a P/D service whose ClusterQueue quota fits only one role sta
 says why in GangAdmitted; once the quota fits the whole service, Kueue releases prefill and decode
 together and GangAdmitted says so.
 
-Marked `kueue`: deselected unless `-m` names it (tests/cluster/conftest.py), because Kueue's cold Go
-build (~15 min on 2 cores) does not fit a cold CI run; run with `pytest -m kueue tests/cluster`.
+Marked `kueue`: it runs in every full run, last; a cold run builds Kueue (~15 min on 2 cores) in the
+background while the other tests run, and this test waits for that build (tests/cluster/on_demand.py).
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ from kvferry.local.controlplane import ControlPlane
 from kvferry.local.controlplane.kueue import Kueue
 from kvferry.operator import names
 
+from tests.cluster import on_demand
 from tests.cluster.operator_fixtures import WAIT_S
 from tests.unit.operator.cases import make_inference
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.kueue
+# The timeout covers the wait for a cold background build (on_demand.BUILD_WAIT_S) plus the test.
+pytestmark = [pytest.mark.kueue, pytest.mark.timeout(on_demand.BUILD_WAIT_S + 600)]
 
 GATE = "kueue.x-k8s.io/admission"
 GPU = "nvidia.com/gpu"
@@ -32,6 +34,7 @@ HOLD_S = 8.0  # how long a held group is watched for any pod leaving the gate
 
 @pytest.fixture(scope="module")
 def kueue(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kueue]:
+    on_demand.wait_built()
     with Kueue(control_plane).start(tmp_path_factory.mktemp("kueue")) as running:
         yield running
 

@@ -1,4 +1,4 @@
-"""Kueue on a local plane: built only on demand (never by `kvferry cluster build` or a cold CI run), run
+"""Kueue on a local plane: built only on demand (never by `kvferry cluster build` or setup), run
 with the plain-pod integration only, its pod webhooks by URL skipping kube-system."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ webhooks:
 
 
 def test_kueue_is_built_only_on_demand() -> None:
-    assert "kueue" not in {c.name for c in build.COMPONENTS}  # so setup.sh / CI never build it
+    assert "kueue" not in {c.name for c in build.COMPONENTS}  # setup never builds it (tests do)
     (comp,) = build.ON_DEMAND
     assert comp.name == "kueue" and comp.name in build.BUILDERS
     assert "webhooks.yaml" in build.KUEUE_MANIFESTS
