@@ -4,6 +4,9 @@ the control plane's floor side by side in one run (each on a fresh control plane
 - time from the first CR's creation (8 concurrent clients) to all objects present, and to all CRs Ready;
 - full reconciles per CR (create/update/resume/resync/drift), API requests per full reconcile and per CR;
 - the operator's peak memory (VmHWM), and per CR above its idle RSS;
+- with --shards N, each operator design also runs as N replicas with KVFERRY_SHARD=i/N (a column of
+  its own, "after, 2 shards"): requests, reconciles, CPU and peak memory are summed over the replicas,
+  and each replica's peak is shown too;
 - CPU seconds of the API server, the controller-manager and the operator (or floor client) meanwhile;
 - status lag: seconds from a transfer-metrics change of one CR (a local metrics server stands in for its
   engines, or for its router) to that CR's status showing it.
@@ -18,7 +21,7 @@ does; a CR counts as Ready when its StatefulSets and Deployment have readyReplic
 Runs a private control plane (real apiserver/etcd/KCM/scheduler, kwok nodes) and `kvferry operator` as
 a subprocess; prints figures, asserts nothing about time. Everything started here is stopped by PID.
 
-    python bench/operator_bench.py [--crs 1000] [--designs floor,after,before] [--timeout 900]
+    python bench/operator_bench.py [--crs 1000] [--designs floor,after,before] [--shards 2] [--timeout 900]
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from kvferry.operator import names
 from kvferry.operator.apply import RENDERED_KINDS, Kube, KubeError
 from kvferry.operator.render.objects import render
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
+from operator_bench_report import table
 
 ROOT = Path(__file__).resolve().parents[1]
 NS = "bench"
@@ -244,7 +248,7 @@ def source_at(rev: str, workdir: Path) -> Path:
 
 
 def start_operator(
-    plane: ControlPlane, design: str, engines: Engines, port: int, log: Path
+    plane: ControlPlane, design: str, engines: Engines, port: int, log: Path, shard: str = "0/1"
 ) -> subprocess.Popen:
     base, _, rev = design.partition("@")  # "after@<rev>": the after design, the operator's code at <rev>
     paths = [str(source_at(rev, log.parent))] if rev else []
@@ -262,6 +266,7 @@ def start_operator(
         # kwok pods serve nothing and their IPs are not ours to reach: both designs read loopback.
         "KVFERRY_METRICS_URL": f"http://127.0.0.1:{engines.port}/engine/{{pod}}",
         "KVFERRY_POOL_METRICS_URL": f"http://127.0.0.1:{engines.port}/pool/{{pod}}",
+        "KVFERRY_SHARD": shard,
         **DESIGNS[base],
     }
     argv = [shutil.which("kvferry") or "kvferry", "operator", "--standalone", "-n", NS]
@@ -285,31 +290,49 @@ def transfers_shown(custom: client.CustomObjectsApi, name: str) -> int:
     return int(((item.get("status") or {}).get("transfer") or {}).get("transfers") or 0)
 
 
-def run_design(design: str, n: int, cpu_nodes: int, timeout_s: float, workdir: Path) -> dict[str, Any]:
-    print(f"[{design}] starting a control plane with {cpu_nodes} kwok nodes", flush=True)
+def summed(ports: list[int]) -> tuple[float, dict[str, float]]:
+    """Requests and reconciles by trigger, summed over the replicas' metrics endpoints."""
+    requests, reconciles = 0.0, {}
+    for port in ports:
+        req, rec = requests_and_reconciles(operator_metrics(port))
+        requests += req
+        reconciles = {k: reconciles.get(k, 0) + rec.get(k, 0) for k in {*reconciles, *rec}}
+    return requests, reconciles
+
+
+def run_design(
+    design: str, n: int, cpu_nodes: int, timeout_s: float, workdir: Path, shards: int = 1
+) -> dict[str, Any]:
+    label = design if shards == 1 else f"{design}, {shards} shards"
+    print(f"[{label}] starting a control plane with {cpu_nodes} kwok nodes", flush=True)
     plane = ControlPlane({"cpu": cpu_nodes})
     engines = Engines()
-    proc: subprocess.Popen | None = None  # the operator, or the floor's client
-    out: dict[str, Any] = {"design": design, "crs": n}
+    procs: list[subprocess.Popen] = []  # the operator's replicas, or the floor's client
+    out: dict[str, Any] = {"design": label, "crs": n}
     try:
-        plane.start(workdir / design / "plane")
+        plane.start(workdir / label / "plane")
         plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds/disaggregatedinferences.yaml"))
         plane.kubectl("wait", "--for=condition=Established", f"crd/{PLURAL}.{GROUP}", "--timeout=60s")
         plane.kubectl("create", "namespace", NS)
         planes = {k: plane.procs[k].pid for k in ("kube-apiserver", "kube-controller-manager")}
-        (port,) = reserve_ports(1)
+        ports = reserve_ports(shards)
         if design == "floor":
             argv = [sys.executable, __file__, "--floor-client", str(plane.kubeconfig), "--crs", str(n)]
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            procs.append(proc)
             assert proc.stdin is not None and proc.stdout is not None
             proc.stdout.readline()  # "ready": imports done
         else:
-            proc = start_operator(plane, design, engines, port, workdir / f"operator-{design}.log")
-            if wait(lambda: _up(port), "operator metrics endpoint", 60) is None:
-                raise RuntimeError(f"operator did not start; log: {workdir / f'operator-{design}.log'}")
+            for i, port in enumerate(ports):
+                log = workdir / f"operator-{label}-{i}.log".replace(" ", "").replace(",", "-")
+                procs.append(start_operator(plane, design, engines, port, log, f"{i}/{shards}"))
+                if wait(lambda: _up(port), "operator metrics endpoint", 60) is None:  # noqa: B023
+                    raise RuntimeError(f"operator did not start; log: {log}")
             time.sleep(5)  # settled after its start-up
-            out["idle_rss_mib"] = rss_mib(proc.pid, "VmRSS")
-        planes["client"] = proc.pid
+            out["idle_rss_mib"] = sum(rss_mib(p.pid, "VmRSS") for p in procs)
+        proc = procs[0]
+        for i, p in enumerate(procs):
+            planes[f"client{i}"] = p.pid
         cpu0 = {k: cpu_s(pid) for k, pid in planes.items() if pid}
         with plane.admin_client() as api:
             custom = client.CustomObjectsApi(api)
@@ -318,7 +341,7 @@ def run_design(design: str, n: int, cpu_nodes: int, timeout_s: float, workdir: P
                 proc.stdin.write("go\n")  # type: ignore[union-attr]
                 proc.stdin.flush()  # type: ignore[union-attr]
             else:
-                req0, rec0 = requests_and_reconciles(operator_metrics(port))
+                req0, rec0 = summed(ports)
                 create_all(custom, [cr(f"b-{i:04d}") for i in range(n)])
                 out["apply_s"] = time.monotonic() - t0
             rendered = render(cr("x")).objects
@@ -336,18 +359,23 @@ def run_design(design: str, n: int, cpu_nodes: int, timeout_s: float, workdir: P
             out["ready_count"] = ready()
             out["workloads_ready"] = workloads_ready(api, per_cr)  # the floor's Ready, for every design
             # The floor's client has exited by now: its CPU comes from its own report.
-            live = {k: pid for k, pid in planes.items() if k != "client" or design != "floor"}
-            out["cpu_s"] = {k: cpu_s(pid) - cpu0[k] for k, pid in live.items()}
+            live = {k: pid for k, pid in planes.items() if not k.startswith("client") or design != "floor"}
+            cpu = {k: cpu_s(pid) - cpu0[k] for k, pid in live.items()}
+            clients = [v for k, v in cpu.items() if k.startswith("client")]
+            out["cpu_s"] = {k: v for k, v in cpu.items() if not k.startswith("client")} | {
+                "client": sum(clients)
+            }
             if design == "floor":
                 report = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
                 out.update({k: report[k] for k in ("requests", "peak_rss_mib", "created_s")})
-                out["cpu_s"]["client"] = report["cpu_s"] - cpu0["client"]
+                out["peak_rss_each"] = [report["peak_rss_mib"]]
+                out["cpu_s"]["client"] = report["cpu_s"] - cpu0["client0"]
                 out["client_errors"] = report["errors"]
                 if report["errors"]:
                     print(f"  floor client: {report['errors']} errors, first {report['first_error']}")
                 return out
             time.sleep(5)  # let trailing status events settle before counting
-            req1, rec1 = requests_and_reconciles(operator_metrics(port))
+            req1, rec1 = summed(ports)
             full = sum(rec1.get(k, 0) - rec0.get(k, 0) for k in FULL)
             out["requests"] = req1 - req0
             out["full_reconciles"] = full
@@ -357,15 +385,18 @@ def run_design(design: str, n: int, cpu_nodes: int, timeout_s: float, workdir: P
             t1 = time.monotonic()
             lag = wait(lambda: transfers_shown(custom, LAG_CR) == 4242, "status lag", 120)
             out["lag_s"] = None if lag is None else time.monotonic() - t1
-            out["peak_rss_mib"] = rss_mib(proc.pid)
+            out["peak_rss_each"] = [rss_mib(p.pid) for p in procs]
+            out["peak_rss_mib"] = sum(out["peak_rss_each"])
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
             try:
-                proc.wait(30)
+                p.wait(30)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+                p.kill()
+                p.wait(10)
         engines.close()
         plane.stop()
     return out
@@ -379,67 +410,6 @@ def _up(port: int) -> bool:
         return False
 
 
-def _fmt(value: Any, unit: str = "", digits: int = 1) -> str:
-    if value is None:
-        return "not reached"
-    return f"{value:.{digits}f}{unit}" if isinstance(value, float) else f"{value}{unit}"
-
-
-def _cell(fn: Any) -> Any:
-    """A table cell that shows "—" where a design has no such figure (the floor has no operator)."""
-
-    def cell(r: dict[str, Any]) -> str:
-        try:
-            return fn(r)
-        except KeyError:
-            return "—"
-
-    return cell
-
-
-def _of(r: dict[str, Any]) -> str:
-    """How many objects were there when the wait gave up."""
-    return f" ({r['objects']}/{r['objects_want']})" if r["objects_s"] is None and "objects" in r else ""
-
-
-def _per_cr_mib(r: dict[str, Any]) -> str:
-    return _fmt((r["peak_rss_mib"] - r["idle_rss_mib"]) / r["crs"], " MiB", 2)
-
-
-ROWS = [
-    ("all CRs created (8 clients)", lambda r: _fmt(r["apply_s"] if "apply_s" in r else r["created_s"], " s")),
-    ("all objects present (from the first create)", lambda r: _fmt(r["objects_s"], " s") + _of(r)),
-    (
-        "all CRs Ready (from the first create)",
-        lambda r: _fmt(r["ready_s"], " s") + f" ({r['ready_count']}/{r['crs']})",
-    ),
-    ("CRs with all workloads ready, then", lambda r: f"{r['workloads_ready']}/{r['crs']}"),
-    ("full reconciles per CR", lambda r: _fmt(r["full_reconciles"] / r["crs"], "", 2)),
-    ("API requests per full reconcile", lambda r: _fmt(r["requests"] / max(r["full_reconciles"], 1))),
-    ("API requests per CR", lambda r: _fmt(r["requests"] / r["crs"])),
-    ("peak memory (operator; floor: its client)", lambda r: _fmt(r["peak_rss_mib"], " MiB", 0)),
-    ("operator memory per CR (peak − idle)", _per_cr_mib),
-    ("CPU s to all Ready: API server", lambda r: _fmt(r["cpu_s"]["kube-apiserver"], " s", 0)),
-    (
-        "CPU s to all Ready: controller-manager",
-        lambda r: _fmt(r["cpu_s"]["kube-controller-manager"], " s", 0),
-    ),
-    ("CPU s to all Ready: operator (floor: client)", lambda r: _fmt(r["cpu_s"]["client"], " s", 0)),
-    ("status lag after a metrics change", lambda r: _fmt(r["lag_s"], " s")),
-    (
-        "reconciles by trigger",
-        lambda r: ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["by_trigger"].items())),
-    ),
-]
-
-
-def table(results: list[dict[str, Any]]) -> str:
-    head = "| figure | " + " | ".join(r["design"] for r in results) + " |"
-    lines = [head, "|---" * (len(results) + 1) + "|"]
-    lines += [f"| {name} | " + " | ".join(_cell(fn)(r) for r in results) + " |" for name, fn in ROWS]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--crs", type=int, default=1000, help="CRs applied at once")
@@ -448,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
         "--designs",
         default="floor,after",
         help="comma-separated: floor, after, before; after@REV (before@REV): the operator's code at git REV",
+    )
+    p.add_argument(
+        "--shards", type=int, default=1, help="also run each operator design as this many shard replicas"
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds per design from apply to all Ready")
     p.add_argument("--json", type=Path, help="also write the figures here")
@@ -463,14 +436,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{args.crs} CRs need {args.crs * PODS_PER_CR} pods; {nodes} nodes hold {nodes * 110}")
     # SIGTERM unwinds like Ctrl-C, so the operator and the control plane are stopped (by PID) too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    runs = [(d, 1) for d in designs]
+    runs += [(d, args.shards) for d in designs if args.shards > 1 and d != "floor"]
     results = []
     with tempfile.TemporaryDirectory(prefix="kvferry-opbench-") as tmp:
-        for design in designs:
+        for design, shards in runs:
             try:
-                results.append(run_design(design, args.crs, nodes, args.timeout, Path(tmp)))
+                results.append(run_design(design, args.crs, nodes, args.timeout, Path(tmp), shards))
             except Exception:  # one design failing still leaves the others' figures
                 traceback.print_exc()
-                results.append({"design": f"{design} (failed)", "crs": args.crs})
+                label = design if shards == 1 else f"{design}, {shards} shards"
+                results.append({"design": f"{label} (failed)", "crs": args.crs})
             print(table(results), flush=True)
     print(
         f"\n{args.crs} CRs applied at once, {nodes} kwok nodes, metrics interval {METRICS_INTERVAL_S:.0f} s"
