@@ -41,6 +41,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Service": ("/api/v1", "services"),
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
     "Pod": ("/api/v1", "pods"),
+    "Node": ("/api/v1", "nodes"),  # read only: its EC2 network-node labels (network.py)
     "StatefulSet": ("/apis/apps/v1", "statefulsets"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     # A role wider than one node (render/groups.py); the CRD comes with LWS, applied only when rendered.
@@ -295,6 +296,19 @@ class Kube:
         query = {"labelSelector": ",".join(f"{k}={v}" for k, v in selector.items())}
         status, data = self._call("GET", kind, self.path(kind, namespace), query=query)
         return self._ok(status, data, f"list {kind} in {namespace}").get("items", [])
+
+    def patch_labels(self, kind: str, namespace: str, name: str, labels: dict[str, str]) -> dict[str, Any]:
+        """JSON merge patch of some labels of an object we do not render (an engine pod: network.py),
+        recorded under the field manager `kvferry`; other labels are left as they are."""
+        code, data = self._call(
+            "PATCH",
+            kind,
+            self.path(kind, namespace, name),
+            query={"fieldManager": names.FIELD_MANAGER},
+            body={"metadata": {"labels": labels}},
+            content_type="application/merge-patch+json",
+        )
+        return self._ok(code, data, f"patch labels of {kind} {namespace}/{name}")
 
     def patch_status(
         self, namespace: str, name: str, status_patch: dict[str, Any], resource_version: str | None = None

@@ -21,7 +21,7 @@ import logging
 from typing import Any
 
 import kopf
-from kvferry.operator import names, peering, reconcile, selfmetrics, shard
+from kvferry.operator import names, network, peering, reconcile, selfmetrics, shard
 from kvferry.operator.apply import RENDERED_KINDS, RESOURCES, Kube, load_configuration
 from kvferry.operator.autoscale import timer as autoscale_timer
 from kvferry.operator.changes import Change, Changes
@@ -226,6 +226,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         if cfg.metrics_port:
             selfmetrics.serve(cfg.metrics_port, cfg.metrics_host)
         memo.fetch = scrape.http_fetcher(cfg.metrics_timeout)
+        memo.nodes = network.NodeLayers()  # shared by every CR's timer (see memo.views below)
         memo.changes = Changes()
         # kopf gives each object a shallow copy of this memo: a dict set here is shared by all of them.
         memo.views = {}
@@ -356,7 +357,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         registry=registry,
     )
     def transfer_status(body: kopf.Body, memo: kopf.Memo, owned: kopf.Index, **_: Any) -> None:
-        events = scrape.scrape(memo.kube, _plain(body), cfg, memo.fetch, watched_by(owned, body))
+        events = scrape.scrape(memo.kube, _plain(body), cfg, memo.fetch, watched_by(owned, body), memo.nodes)
         post(body, reconcile.Outcome(events=events))
 
     @kopf.timer(

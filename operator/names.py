@@ -7,6 +7,7 @@ other parts read come from kvferry.contracts.labels.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 from kvferry.contracts import labels
 
@@ -82,3 +83,10 @@ def common_labels(cr_name: str, role: str) -> dict[str, str]:
 
 def short_hash(data: str, length: int = 10) -> str:
     return hashlib.sha256(data.encode()).hexdigest()[:length]
+
+
+def owned_by_role_set(pod: dict[str, Any], cr_name: str, role: str) -> bool:
+    """Whether a StatefulSet we render controls the pod (a labelled pod made by hand is not read)."""
+    want = role_name(cr_name, role)
+    refs = pod["metadata"].get("ownerReferences") or []
+    return any(r.get("controller") and r.get("kind") == "StatefulSet" and r.get("name") == want for r in refs)

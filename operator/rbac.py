@@ -106,6 +106,20 @@ RULES: list[tuple[list[str], list[str], list[str], str]] = [
         "(RBAC lets a subject grant only what it holds)",
     ),
     (
+        [""],
+        ["pods"],
+        ["patch"],
+        "copy the EC2 network-node labels of an engine pod's node onto the pod (network.py), where the "
+        "router reads them to pick the closest P/D pairs; only those labels, only on the CR's engine pods",
+    ),
+    (
+        [""],
+        ["nodes"],
+        ["get"],
+        "read the network-node labels (topology.k8s.aws/network-node-layer-1..3) of the nodes engine "
+        "pods are bound to, once per node and hour; no list/watch",
+    ),
+    (
         ["discovery.k8s.io"],
         ["endpointslices"],
         ["get", "list", "watch"],

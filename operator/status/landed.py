@@ -1,15 +1,19 @@
-"""Landed step (pure): the engine pods of one CR -> where each role landed (zones), for status.placement.
+"""Landed step (pure): the engine pods of one CR -> where each role landed (zones and, on EKS instance
+types with EC2 instance topology, the bottom-layer network nodes), for status.placement.
 
 The zone is read from the pod, not its node: from Kubernetes 1.35 the API server copies the node's
 topology.kubernetes.io/zone label onto every pod it binds (PodTopologyLabelsAdmission, beta, on by
 default), so the operator needs no access to Nodes. A bound pod without the label (an older cluster, a
-node without a zone) counts as "unknown".
+node without a zone) counts as "unknown". The network nodes are the
+topology.k8s.aws/network-node-layer-3 labels the operator copies from the node (operator/network.py);
+pods without it are not listed there.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvferry.contracts.labels import NETWORK_LAYERS
 from kvferry.operator import names
 from kvferry.operator.render.placement import ZONE
 
@@ -17,7 +21,8 @@ UNKNOWN = "unknown"
 
 
 def landed(pods: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Role -> {zones: sorted zones of its bound pods, pods: how many are bound}."""
+    """Role -> {zones: sorted zones of its bound pods, pods: how many are bound, networkNodes: the sorted
+    bottom-layer network nodes of those that have one}."""
     out: dict[str, dict[str, Any]] = {}
     for role in names.ROLES:
         bound = [
@@ -26,8 +31,10 @@ def landed(pods: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             if (p["metadata"].get("labels") or {}).get(names.LABEL_ROLE) == role
             and (p.get("spec") or {}).get("nodeName")
         ]
-        zones = {(p["metadata"].get("labels") or {}).get(ZONE, UNKNOWN) for p in bound}
-        out[role] = {"zones": sorted(zones), "pods": len(bound)}
+        labels = [p["metadata"].get("labels") or {} for p in bound]
+        zones = {pod.get(ZONE, UNKNOWN) for pod in labels}
+        spines = {pod[NETWORK_LAYERS[-1]] for pod in labels if pod.get(NETWORK_LAYERS[-1])}
+        out[role] = {"zones": sorted(zones), "pods": len(bound), "networkNodes": sorted(spines)}
     return out
 
 

@@ -89,6 +89,11 @@ class RolePlacement:
 
     zones: list[str] = f("Zones of its bound pods (topology.kubernetes.io/zone; unknown without it).", [])
     pods: int = f("Pods bound to a node.", 0)
+    network_nodes: list[str] = f(
+        "Bottom-layer EC2 network nodes of its bound pods (topology.k8s.aws/network-node-layer-3, copied "
+        "from the node by the operator); empty where nodes carry no network topology.",
+        [],
+    )
 
 
 @dataclass

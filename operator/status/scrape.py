@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import msgspec
-from kvferry.operator import names, selfmetrics
+from kvferry.operator import names, network, selfmetrics
 from kvferry.operator.apply import Kube, now_iso
 from kvferry.operator.config import OperatorConfig, check_template
 from kvferry.operator.reconcile import Event
@@ -54,13 +54,6 @@ def http_fetcher(timeout_s: float, max_bytes: int = MAX_METRICS_BYTES) -> Fetch:
     return fetch
 
 
-def _owned_by_role_set(pod: dict[str, Any], cr_name: str, role: str) -> bool:
-    """Whether a StatefulSet we render controls the pod (a labelled pod made by hand is not read)."""
-    want = names.role_name(cr_name, role)
-    refs = pod["metadata"].get("ownerReferences") or []
-    return any(r.get("controller") and r.get("kind") == "StatefulSet" and r.get("name") == want for r in refs)
-
-
 def metrics_urls(pods: list[dict[str, Any]], template: str, cr_name: str) -> dict[str, list[str]]:
     """Role -> URLs of its running engine pods (pods of the CR's own StatefulSets only)."""
     check_template(template)
@@ -70,7 +63,7 @@ def metrics_urls(pods: list[dict[str, Any]], template: str, cr_name: str) -> dic
         role = meta.get("labels", {}).get(names.LABEL_ROLE)
         if role not in urls or st.get("phase") != "Running" or meta.get("deletionTimestamp"):
             continue
-        if not _owned_by_role_set(pod, cr_name, role):
+        if not names.owned_by_role_set(pod, cr_name, role):
             continue
         urls[role].append(
             template.format_map(
@@ -155,14 +148,22 @@ def _watched_or_read(kube: Kube, cr: dict[str, Any], watched: Watched) -> Watche
 
 
 def scrape(
-    kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, fetch: Fetch, watched: Watched = no_watch
+    kube: Kube,
+    cr: dict[str, Any],
+    cfg: OperatorConfig,
+    fetch: Fetch,
+    watched: Watched = no_watch,
+    nodes: network.NodeLayers | None = None,
 ) -> list[Event]:
-    """Read the engines' metrics and publish the TransferHealthy verdict (with every other condition)."""
+    """Read the engines' metrics and publish the TransferHealthy verdict (with every other condition);
+    with `nodes`, first label the engine pods with their nodes' network layers (network.py)."""
     meta, spec = cr["metadata"], cr.get("spec") or {}
     previous = cr.get("status") or {}
     if not previous.get("revision"):
         return []  # nothing rendered yet
     pods = kube.list("Pod", meta["namespace"], {names.LABEL_NAME: names.fit(meta["name"])})
+    if nodes is not None:
+        network.label_pods(kube, pods, meta["name"], nodes)
     refusal = podchecks.start_failure(pods)  # a kvferry start-up step refused: pods never serve
     read = texts_from_router if cfg.transfer_source == "router" else texts_from_pods
     texts = read(pods, cfg, fetch, meta["name"])

@@ -47,6 +47,9 @@ OPERATOR_ALLOWED = (
     | triples("networking.k8s.io", ("networkpolicies",), CRUD)
     | triples("", ("secrets",), ("get",))  # existence check, metadata only; never list/watch
     | triples("", ("pods",), READ)
+    # the EC2 network-node labels of an engine pod's node, copied onto the pod (operator/network.py)
+    | triples("", ("pods",), ("patch",))
+    | triples("", ("nodes",), ("get",))
     | triples("discovery.k8s.io", ("endpointslices",), READ)
 )
 ROUTER_ALLOWED = triples("discovery.k8s.io", ("endpointslices",), ("list",)) | triples(

@@ -9,6 +9,11 @@
 - apiGroups: [""]
   resources: [namespaces]
   verbs: [get, list, watch]
+# read the network-node labels (topology.k8s.aws/network-node-layer-1..3) of the nodes engine pods
+# are bound to, once per node and hour; no list/watch
+- apiGroups: [""]
+  resources: [nodes]
+  verbs: [get]
 {{- end }}
 
 {{- define "kvferry.rbac.namespacedRules" }}
@@ -75,6 +80,11 @@
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
+# copy the EC2 network-node labels of an engine pod's node onto the pod (network.py), where the
+# router reads them to pick the closest P/D pairs; only those labels, only on the CR's engine pods
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [patch]
 # held only so the operator may grant it to the router's Role (same escalation rule)
 - apiGroups: [discovery.k8s.io]
   resources: [endpointslices]

@@ -23,14 +23,30 @@ def test_zones_per_role_of_bound_pods_only() -> None:
         _pod("router", "n1", "z1"),
     ]
     roles = landed(pods)
-    assert roles == {"prefill": {"zones": ["z1"], "pods": 1}, "decode": {"zones": ["z1", "z2"], "pods": 2}}
+    assert roles == {
+        "prefill": {"zones": ["z1"], "pods": 1, "networkNodes": []},
+        "decode": {"zones": ["z1", "z2"], "pods": 2, "networkNodes": []},
+    }
     assert summary(roles) == "split"
     assert summary(landed(pods[:2])) == "z1"
     assert summary(landed([])) == ""
 
 
 def test_a_bound_pod_without_the_label_is_unknown_not_dropped() -> None:
-    assert landed([_pod("prefill", "n1", None)])["prefill"] == {"zones": ["unknown"], "pods": 1}
+    assert landed([_pod("prefill", "n1", None)])["prefill"] == {
+        "zones": ["unknown"],
+        "pods": 1,
+        "networkNodes": [],
+    }
+
+
+def test_bottom_layer_network_nodes_of_bound_pods_that_have_one() -> None:
+    layer3 = "topology.k8s.aws/network-node-layer-3"
+    pods = [_pod("prefill", "n1", "z1"), _pod("prefill", "n2", "z1"), _pod("prefill", None, "z1")]
+    pods[0]["metadata"]["labels"][layer3] = "nn-b"
+    pods[1]["metadata"]["labels"][layer3] = "nn-a"
+    pods[2]["metadata"]["labels"][layer3] = "nn-c"  # not bound: not counted
+    assert landed(pods)["prefill"]["networkNodes"] == ["nn-a", "nn-b"]
 
 
 def test_placement_is_carried_by_writers_that_did_not_look() -> None:
