@@ -89,9 +89,12 @@ def test_engine_pods_carry_their_nodes_network_layers_and_the_router_sees_them(c
         until=lambda pl: all(pl.get(r, {}).get("networkNodes") for r in names.ROLES),
     )
     for role in names.ROLES:
-        want = {
-            nodes[p["metadata"]["name"]]["metadata"]["labels"][layers[2]]
+        mine = [
+            nodes[p["metadata"]["name"]]["metadata"]["labels"]
             for p in pods
             if p["metadata"]["labels"][names.LABEL_ROLE] == role
-        }
-        assert placement[role]["networkNodes"] == sorted(want), placement
+        ]
+        assert placement[role]["networkNodes"] == sorted({n[layers[2]] for n in mine}), placement
+        # The zone comes from the label the API server copies onto the pod at binding (1.35+).
+        assert placement[role]["zones"] == sorted({n["topology.kubernetes.io/zone"] for n in mine}), placement
+        assert placement[role]["pods"] == len(mine)
