@@ -5,9 +5,11 @@ and TPOT p50/p99, prompt tokens each engine actually computed and KV bytes moved
     flock /tmp/kvferry-heavy.lock python bench/prefix_bench.py --out bench/results/prefix_bench
 
 Workload (seeded, `conversations()`): every conversation opens with the same system prompt; each turn
-appends a user message (log-normal length) to the history and the previous turn's reply, as chat
-clients re-send the history. Replies in the history are stand-in token ids of the reply length (the
-same for every mode, so every mode sees the same prompts). Conversations start as a Poisson process
+appends the previous turn's answer and a new user message (log-normal length) to the history, as chat
+clients and agents re-send it. The answer is re-sent as the token ids the engine returned
+(`return_token_ids`), so a decode that generated it may hold it in its prefix cache; answers are greedy
+and equal in every mode (P/D outputs equal a single instance's: tests/e2e), so every mode sees the same
+prompts. Conversations start as a Poisson process
 at `rate` per second; a conversation's next turn is sent when its previous answer ended plus a short
 think time. Prompts are token ids (the router's block keys are then exact).
 
@@ -53,7 +55,7 @@ BYTES = (("kvferry_transfer_bytes_total", {}), ("vllm:nixl_bytes_transferred_sum
 class Turn:
     conversation: int
     index: int
-    prompt: tuple[int, ...]
+    message: tuple[int, ...]  # appended after the previous answer (turn 0: the system prompt and a message)
 
 
 @dataclass(frozen=True)
@@ -70,19 +72,17 @@ class Workload:
 
 
 def conversations(w: Workload) -> list[list[Turn]]:
-    """Each conversation's turns in order; turn k's prompt is turn k-1's prompt, a reply, a new message."""
+    """Each conversation's turns in order; turn k's prompt is turn k-1's prompt, its answer, a new message."""
     rng = random.Random(w.seed)
     ids = lambda n: [rng.randrange(10, w.vocab) for _ in range(n)]  # noqa: E731
     system = ids(w.system_tokens)
     out = []
     for c in range(w.conversations):
-        history, turns = list(system), []
+        turns = []
         for t in range(rng.randint(*w.turns)):
-            if t:
-                history += ids(w.reply_tokens)  # the previous answer, as the client re-sends it
             length = round(rng.lognormvariate(math.log(w.user_median), w.user_sigma))
-            history += ids(min(max(length, w.user_bounds[0]), w.user_bounds[1]))
-            turns.append(Turn(c, t, tuple(history)))
+            message = ids(min(max(length, w.user_bounds[0]), w.user_bounds[1]))
+            turns.append(Turn(c, t, tuple((system if t == 0 else []) + message)))
         out.append(turns)
     return out
 
@@ -98,9 +98,14 @@ async def run_workload(url: str, convs: list[list[Turn]], rate: float, reply: in
 
         async def conversation(at: float, turns: list[Turn]) -> list[Any]:
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
-            results = []
+            results, history = [], []
             for turn in turns:
-                results.append(await loadbench.one_request(client, sweep, list(turn.prompt)))
+                history += turn.message
+                result = await loadbench.one_request(client, sweep, list(history), return_ids=True)
+                results.append(result)
+                if not result.ok:
+                    break  # the history is unknown past a failed turn: the conversation ends here
+                history += result.token_ids  # the answer, as the client re-sends it
                 await asyncio.sleep(rng.expovariate(5.0))  # think time, mean 0.2 s
             return results
 

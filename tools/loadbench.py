@@ -51,6 +51,7 @@ class Result:
     e2e_s: float = 0.0
     tokens: int = 0
     error: str = ""
+    token_ids: list[int] = field(default_factory=list)  # the answer's ids, when asked for
 
 
 @dataclass
@@ -90,13 +91,18 @@ def prompts(length: int, count: int, vocab: int, rng: random.Random) -> list[lis
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(count)]
 
 
-async def one_request(client: httpx.AsyncClient, sweep: Sweep, prompt: list[int]) -> Result:
+async def one_request(
+    client: httpx.AsyncClient, sweep: Sweep, prompt: list[int], return_ids: bool = False
+) -> Result:
+    """One streamed greedy completion; with `return_ids` the answer's token ids too (vLLM's
+    `return_token_ids`), as a multi-turn client re-sends them in the next prompt."""
     body = {
         "model": sweep.model, "prompt": prompt, "max_tokens": sweep.max_tokens, "temperature": 0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        **({"return_token_ids": True} if return_ids else {}),
     }  # fmt: skip
     start = time.perf_counter()
-    first, tokens = 0.0, 0
+    first, tokens, ids = 0.0, 0, []
     try:
         async with client.stream("POST", sweep.url.rstrip("/") + "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -109,6 +115,8 @@ async def one_request(client: httpx.AsyncClient, sweep: Sweep, prompt: list[int]
                     return Result(False, error=str(event["error"])[:200])
                 if event.get("choices") and not first:
                     first = time.perf_counter() - start
+                if return_ids and event.get("choices"):
+                    ids += event["choices"][0].get("token_ids") or []
                 if event.get("usage"):
                     tokens = int(event["usage"].get("completion_tokens", 0))
     except (httpx.HTTPError, ValueError) as exc:
@@ -117,7 +125,9 @@ async def one_request(client: httpx.AsyncClient, sweep: Sweep, prompt: list[int]
     if not first or tokens < 1:
         return Result(False, error="stream ended without tokens or usage")
     tpot = (e2e - first) / (tokens - 1) if tokens > 1 else 0.0
-    return Result(True, ttft_s=first, tpot_s=tpot, e2e_s=e2e, tokens=tokens)
+    if return_ids and len(ids) != tokens:
+        return Result(False, error=f"{len(ids)} token ids for {tokens} tokens")
+    return Result(True, ttft_s=first, tpot_s=tpot, e2e_s=e2e, tokens=tokens, token_ids=ids)
 
 
 async def run_cell(sweep: Sweep, length: int, rate: float) -> Cell:

@@ -1,5 +1,6 @@
-"""bench/prefix_bench.py's workload: seeded, multi-turn, one shared system prompt, each turn extending the
-last (what prefix caching and prefix-aware routing exploit), lengths within their bounds."""
+"""bench/prefix_bench.py's workload: seeded, multi-turn, one shared system prompt; each turn adds a user
+message after the previous answer, which the client re-sends as the engine returned it (what prefix
+caching and prefix-aware routing exploit); lengths within their bounds."""
 
 from __future__ import annotations
 
@@ -19,20 +20,19 @@ def _bench():  # type: ignore[no-untyped-def]
     return module
 
 
-def test_conversations_share_the_system_prompt_and_extend_their_history() -> None:
+def test_conversations_share_the_system_prompt_and_add_one_message_per_turn() -> None:
     pb = _bench()
     w = pb.Workload(system_tokens=100, conversations=6, turns=(2, 4), reply_tokens=8, seed=3)
     convs = pb.conversations(w)
     assert len(convs) == 6 and all(2 <= len(c) <= 4 for c in convs)
     assert len({len(c) for c in convs}) > 1  # turn counts vary
-    system = convs[0][0].prompt[:100]
+    system = convs[0][0].message[:100]
     for conv in convs:
-        assert all(t.prompt[:100] == system for t in conv)
-        for prev, turn in zip(conv, conv[1:], strict=False):
-            assert turn.prompt[: len(prev.prompt)] == prev.prompt  # the history is re-sent unchanged
-            added = len(turn.prompt) - len(prev.prompt) - w.reply_tokens
-            assert w.user_bounds[0] <= added <= w.user_bounds[1]
-    assert convs[0][0].prompt[100:] != convs[1][0].prompt[100:]  # users differ after the system prompt
+        assert conv[0].message[:100] == system  # every conversation opens with the one system prompt
+        assert w.user_bounds[0] <= len(conv[0].message) - 100 <= w.user_bounds[1]
+        for turn in conv[1:]:  # later turns add a user message after the answer the client re-sends
+            assert w.user_bounds[0] <= len(turn.message) <= w.user_bounds[1]
+    assert convs[0][0].message[100:] != convs[1][0].message[100:]  # users differ after the system prompt
     assert pb.conversations(w) == convs  # seeded
     assert pb.conversations(pb.Workload(system_tokens=100, seed=4)) != pb.conversations(
         pb.Workload(system_tokens=100, seed=3)
