@@ -15,7 +15,7 @@ import random
 import sys
 
 import kopf
-from kvferry.operator import handlers
+from kvferry.operator import handlers, lean
 from kvferry.operator.config import OperatorConfig, check_shard, check_template
 
 
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # httpx logs every request at INFO: one line per CR per metrics tick, noise at fleet scale.
     logging.getLogger("httpx").setLevel(logging.DEBUG if verbose else logging.WARNING)
+    lean.install()  # watch events without managedFields: memory in a creation wave (issue 19)
     registry = kopf.OperatorRegistry()
     handlers.register(registry, cfg)
     settings = kopf.OperatorSettings()
