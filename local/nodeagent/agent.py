@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from kvferry.local.nodeagent import alloc, image, status
+from kvferry.local.nodeagent import alloc, cgroups, image, status
 from kvferry.local.nodeagent.kube import Kube, KubeError
 from kvferry.local.nodeagent.netns import NodeNetwork
 from kvferry.local.nodeagent.pod import PodWorker
@@ -53,6 +53,7 @@ class NodeAgent:
         # Named per process: a test's agent and the demo's may run side by side for the same node name.
         self.network = NodeNetwork(f"kvf-{node}-{os.getpid()}", pod_cidr)
         self.cores = alloc.CorePool(cores, max_exclusive_cores)
+        self.limits: cgroups.CpuLimits | None = None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix=f"kvferry-node-{node}-"))
         self.bin_dir = image.write_bin_dir(self.workdir / "bin", vllm)
         self.kube: Kube | None = None
@@ -75,6 +76,9 @@ class NodeAgent:
                 f"node {self.node!r} must exist before its agent starts: {exc}", exc.status
             ) from exc
         self.network.setup(self.host_ip)
+        self.limits = cgroups.CpuLimits(f"{self.node}-{os.getpid()}")
+        if not self.limits.available:
+            log.warning("node %s: CPU limits will not be enforced: %s", self.node, self.limits.reason)
         port = urlparse(self.kube.server).port or 443
         self.network.forward_loopback_port(port)  # pods reach the API server at the same URL
         self._ready_since = status.now_iso()
@@ -98,6 +102,8 @@ class NodeAgent:
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=HEARTBEAT_S + 20)
         self.network.teardown()
+        if self.limits is not None:
+            self.limits.close()
         if self.kube is not None:
             self.kube.close()
 
@@ -138,7 +144,15 @@ class NodeAgent:
         meta = pod["metadata"]
         root = self.workdir / "pods" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
         return PodWorker(
-            self.kube, pod, ctx, root, self._lookup, self._issue_token, self._worker_done, self.cores
+            self.kube,
+            pod,
+            ctx,
+            root,
+            self._lookup,
+            self._issue_token,
+            self._worker_done,
+            self.cores,
+            self.limits,
         )
 
     def _worker_done(self, worker: PodWorker) -> None:

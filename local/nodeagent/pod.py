@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvferry.local.nodeagent import alloc, podspec, status, volumes
+from kvferry.local.nodeagent import alloc, cgroups, podspec, status, volumes
 from kvferry.local.nodeagent.kube import Kube, KubeError
 from kvferry.local.nodeagent.runner import ContainerRunner, now_iso
 
@@ -41,10 +41,11 @@ class PodWorker:
         issue_token: volumes.TokenIssuer,
         on_exit: Callable[[PodWorker], None],
         cores: alloc.CorePool | None = None,
+        limits: cgroups.CpuLimits | None = None,
     ) -> None:
         self.kube, self.pod, self.ctx, self.root = kube, pod, ctx, root
         self.lookup, self.issue_token, self.on_exit = lookup, issue_token, on_exit
-        self.core_pool = cores
+        self.core_pool, self.limits = cores, limits
         self.cores: list[int] = []  # exclusive cores held by this pod's containers
         meta = pod["metadata"]
         self.key = f"{meta['namespace']}/{meta['name']}"
@@ -131,7 +132,25 @@ class PodWorker:
             extra = {**ctx.extra_env, **alloc.core_env(cores, spec)}
             ctx = podspec.PodContext(**{**ctx.__dict__, "extra_env": extra})
         plan = podspec.plan_container(self.pod, spec, ctx, self.lookup)
-        return ContainerRunner(spec, plan, self.root, self.ctx.pod_ip, policy, self.grace_s)
+        runner = ContainerRunner(spec, plan, self.root, self.ctx.pod_ip, policy, self.grace_s)
+        runner.cgroup, runner.limit_note = self._cpu_limit(spec)
+        return runner
+
+    def _cpu_limit(self, spec: dict[str, Any]) -> tuple[cgroups.ContainerCgroup | None, str]:
+        """The container's cgroup for its limits.cpu, or why it has none (logged and shown)."""
+        if self.limits is None:
+            return None, ""
+        name = spec.get("name", "")
+        try:
+            millicores = cgroups.cpu_limit(spec)
+            if millicores is None:
+                return None, ""
+            return self.limits.group(self.uid, name, millicores), ""
+        except (ValueError, OSError) as exc:
+            value = ((spec.get("resources") or {}).get("limits") or {}).get("cpu")
+            note = f"container {name}: limits.cpu {value} not enforced: {exc}"
+            log.warning("pod %s: %s", self.key, note)
+            return None, note
 
     def _run_init_containers(self) -> bool:
         for spec in self.pod["spec"].get("initContainers") or []:
@@ -148,6 +167,8 @@ class PodWorker:
                     )
                 runner.tick(time.monotonic())
                 time.sleep(TICK_S)
+            if runner.cgroup is not None:
+                runner.cgroup.remove()
         return True
 
     def _loop(self) -> None:
@@ -183,6 +204,8 @@ class PodWorker:
         if deleting:
             self._final_delete()
         shutil.rmtree(self.root / "volumes", ignore_errors=True)
+        if self.limits is not None:
+            self.limits.remove_pod(self.uid)
         if self.core_pool is not None:
             self.core_pool.give_back(self.cores)
             self.cores = []

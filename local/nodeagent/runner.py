@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from kvferry.local.nodeagent.cgroups import ContainerCgroup
 from kvferry.local.nodeagent.podspec import LaunchPlan
 from kvferry.local.nodeagent.probes import ProbeState, run_once
 
@@ -88,15 +89,22 @@ class ContainerRunner:
         self.next_start_at = 0.0
         self.waiting_reason = "ContainerCreating"
         self.startup = self.readiness = self.liveness = ProbeState(None, True)
+        # limits.cpu: the cgroup that enforces it, or why it is not enforced (see cgroups.py)
+        self.cgroup: ContainerCgroup | None = None
+        self.limit_note = ""
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         with self.log_path.open("ab") as log:
             log.write(f"--- {now_iso()} start: {' '.join(self.plan.argv)}\n".encode())
+            if self.limit_note:
+                log.write(f"--- {self.limit_note}\n".encode())
             log.flush()
+            # In its cgroup before exec: the command and all it forks run under the CPU limit.
+            argv = self.cgroup.wrap(self.plan.argv) if self.cgroup is not None else self.plan.argv
             try:
                 self.proc = subprocess.Popen(
-                    self.plan.argv,
+                    argv,
                     env=self.plan.env,
                     cwd=self.plan.cwd,
                     stdout=log,
@@ -131,6 +139,8 @@ class ContainerRunner:
             code = kill_group(self.proc, grace_s)
             self._record_exit(code if code is not None else 137)
             self.proc = None
+        if self.cgroup is not None:
+            self.cgroup.remove()
         self.next_start_at = float("inf")
 
     def _record_exit(self, code: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
+from kvferry.local.nodeagent import cgroups
 from kvferry.local.nodeagent.kube import Kube, KubeError
 from kvferry.local.nodeagent.runner import ContainerRunner, now_iso
 
@@ -41,6 +42,23 @@ def pod_phase(runners: list[ContainerRunner], restart_policy: str, failed_setup:
     return "Pending"
 
 
+def limit_condition(runners: list[ContainerRunner], since: dict[str, str]) -> dict[str, Any] | None:
+    """`kvferry.io/CPULimitEnforced` for a pod with a CPU limit: True when every limited container
+    runs in its cgroup, False (reason CgroupUnavailable, the why in the message) otherwise."""
+    limited = [r for r in runners if r.cgroup is not None or r.limit_note]
+    if not limited:
+        return None
+    ok = all(r.cgroup is not None for r in limited)
+    notes = [r.limit_note for r in limited if r.limit_note]
+    enforced = [f"{r.plan.name}: {r.cgroup.millicores}m" for r in limited if r.cgroup is not None]
+    key = f"_{cgroups.CONDITION}"
+    if since.get(key) != str(ok):
+        since[key], since[cgroups.CONDITION] = str(ok), now_iso()
+    cond = _condition(cgroups.CONDITION, ok, since, "CgroupUnavailable")
+    cond["message"] = "; ".join(notes) if notes else "CFS quota on " + ", ".join(enforced)
+    return cond
+
+
 def pod_status(
     pod: dict[str, Any],
     runners: list[ContainerRunner],
@@ -66,6 +84,9 @@ def pod_status(
             since[f"_{kind}"], since[kind] = key, now_iso()
     conditions = [c for c in (pod.get("status") or {}).get("conditions") or [] if c["type"] == "PodScheduled"]
     conditions += [_condition(k, ok, since, "ContainersNotReady") for k, ok in flags.items()]
+    limit = limit_condition(runners, since)
+    if limit is not None:
+        conditions.append(limit)
     status: dict[str, Any] = {
         "phase": phase,
         "conditions": conditions,
