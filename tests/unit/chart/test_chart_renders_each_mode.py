@@ -96,8 +96,9 @@ def test_namespaced_scope_grants_workload_access_only_in_the_watched_namespaces(
     assert set(roles) == {"team-a", "team-b"}
     for role in roles.values():
         assert {"disaggregatedinferences", "statefulsets"} <= resources_granted(role)
-    (cluster_role,) = by_kind(docs, "ClusterRole")  # only kopf's cluster-scoped reads stay cluster-wide
-    assert resources_granted(cluster_role) == {"customresourcedefinitions", "namespaces"}
+    # only cluster-scoped reads stay cluster-wide: kopf's, and nodes (their network labels: network.py)
+    (cluster_role,) = by_kind(docs, "ClusterRole")
+    assert resources_granted(cluster_role) == {"customresourcedefinitions", "namespaces", "nodes"}
     assert {v for rule in cluster_role["rules"] for v in rule["verbs"]} == {"get", "list", "watch"}
 
 
