@@ -311,7 +311,9 @@ def run_design(
     out: dict[str, Any] = {"design": label, "crs": n}
     try:
         plane.start(workdir / label / "plane")
-        plane.kubectl("apply", "--server-side", "-f", str(ROOT / "crds/disaggregatedinferences.yaml"))
+        rev = design.partition("@")[2]  # after@REV: the CRD of that tree (its operator rejects newer fields)
+        root = source_at(rev, workdir) / "kvferry" if rev else ROOT
+        plane.kubectl("apply", "--server-side", "-f", str(root / "crds/disaggregatedinferences.yaml"))
         plane.kubectl("wait", "--for=condition=Established", f"crd/{PLURAL}.{GROUP}", "--timeout=60s")
         plane.kubectl("create", "namespace", NS)
         planes = {k: plane.procs[k].pid for k in ("kube-apiserver", "kube-controller-manager")}
