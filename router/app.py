@@ -25,6 +25,7 @@ from kvferry.router.config import RouterConfig
 from kvferry.router.discovery import make_discovery
 from kvferry.router.dispatch import Dispatcher, OpenLeg, new_request_id
 from kvferry.router.errors import RETRY_AFTER_S, ApiError, LegError, error_body
+from kvferry.router.kvfeed import KvEventFeed
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.prefix import PrefixIndex
 from kvferry.router.promtext import metric_sum, parse_metrics
@@ -305,6 +306,8 @@ async def _scrape_loop(state: dict[str, Any]) -> None:
         state["tracker"].prune(pool)
         state["planner"].forget(pool)
         state["metrics"].forget_engines({(e.role, e.engine_id) for e in (*pool.prefill, *pool.decode)})
+        if state["feed"] is not None:
+            state["feed"].sync((*pool.prefill, *pool.decode))
         for ep in pool.decode:
             try:
                 async with session.get(ep.url + "/metrics", timeout=aiohttp.ClientTimeout(2)) as r:
@@ -327,6 +330,9 @@ async def _on_startup(app: web.Application) -> None:
         app[CONFIG], state["session"], state["tracker"], state["metrics"], state["backlog"]
     )
     await state["discovery"].start()
+    index, routing = state["index"], app[CONFIG].routing
+    # With prefix-aware routing, engines that publish vLLM's KV-cache events correct the index.
+    state["feed"] = None if index is None else KvEventFeed(index, routing.block_tokens, state["metrics"])
     state["scraper"] = asyncio.create_task(_scrape_loop(state))
 
 
@@ -338,6 +344,8 @@ async def _on_cleanup(app: web.Application) -> None:
         # Prefill legs still running for gone clients: give them a bounded chance to finish.
         await asyncio.wait(detached, timeout=10)
     await asyncio.gather(state["scraper"], return_exceptions=True)
+    if state["feed"] is not None:
+        await state["feed"].stop()
     await state["discovery"].stop()
     await state["session"].close()
 
@@ -358,6 +366,7 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         "backlog": backlog,
         "planner": Planner(routing, selector, index, metrics, backlog, max_wait),
         "discovery": make_discovery(cfg.static, cfg.kubernetes),
+        "index": index,
     }
     app.router.add_post(legs.COMPLETIONS, _generate)
     app.router.add_post(legs.CHAT, _generate)

@@ -61,6 +61,10 @@ class Endpoint:
     revision: str = ""
     # Where it runs, broadest first: zone, network-node layers 1..3 (router/topology.py); () unknown.
     topology: tuple[str, ...] = ()
+    # vLLM's KV-cache event stream (ZMQ PUB) and replay (ROUTER) endpoints (tcp:// or ipc://); "" none
+    # (router/kvfeed.py follows them into the prefix index).
+    kv_events: str = ""
+    kv_events_replay: str = ""
 
 
 class Deadlines(_Section, frozen=True, kw_only=True):
@@ -150,6 +154,8 @@ class KubernetesDiscoveryConfig:
     revision_label: str = "kvferry.io/revision"
     tp_size: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
     poll_s: float = 5.0
+    kv_events_port: int | None = None  # each engine pod's KV-event publisher port, if it publishes
+    kv_events_replay_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +189,8 @@ class _Engine(_Section, frozen=True, kw_only=True):
     tp_size: PositiveInt = 1
     revision: str | int | float = ""  # YAML reads an unquoted 1234 as a number
     topology: tuple[str, ...] = ()  # zone, then network-node layers 1..3 (router/topology.py)
+    kv_events: str = ""  # the engine's KV-event publisher (tcp://host:port or ipc:///path)
+    kv_events_replay: str = ""  # its replay endpoint
 
 
 Engines = Annotated[
@@ -207,6 +215,8 @@ class _Kubernetes(_Section, frozen=True, kw_only=True):
     revision_label: Text = "kvferry.io/revision"
     tp_size: _TpSize = _TpSize()
     poll_s: Positive = 5.0
+    kv_events_port: Port | None = None
+    kv_events_replay_port: Port | None = None
 
 
 class _Discovery(_Section, frozen=True, kw_only=True):
@@ -281,6 +291,8 @@ def parse_config(raw: Any) -> RouterConfig:
             k.revision_label,
             msgspec.structs.asdict(k.tp_size),
             k.poll_s,
+            k.kv_events_port,
+            k.kv_events_replay_port,
         ),
         auth=doc.auth or AuthConfig(),
         routing=msgspec.structs.replace(doc.routing, prefix_aware=prefix_aware),
@@ -305,6 +317,14 @@ def _endpoint(e: _Engine, role: str, path: str) -> Endpoint:
     parts = urlsplit(e.url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{path}.url: {e.url!r} is not an http(s) URL with a host")
+    for name in ("kv_events", "kv_events_replay"):
+        value = getattr(e, name)
+        if value and not re.fullmatch(r"tcp://(?:[^:/\s\[\]]+|\[[0-9a-fA-F:]+\]):\d{1,5}|ipc:///\S+", value):
+            raise ConfigError(
+                f"{path}.{name}: {value!r} is not a ZMQ endpoint (tcp://host:port or ipc:///path)"
+            )
+    if e.kv_events_replay and not e.kv_events:
+        raise ConfigError(f"{path}.kv_events_replay: needs kv_events (the live stream) too")
     fields = msgspec.structs.asdict(e)
     return Endpoint(role=role, **{**fields, "url": e.url.rstrip("/"), "revision": str(e.revision)})
 

@@ -63,6 +63,7 @@ def endpoints_from_slices(
     role: str,
     tp_size: int,
     revision_label: str,
+    kv_events_ports: tuple[int | None, int | None] = (None, None),
 ) -> tuple[Endpoint, ...]:
     """EndpointSlices (API dicts, camelCase keys) of one role Service -> ready endpoints, by engine id."""
     found: dict[str, Endpoint] = {}
@@ -88,8 +89,15 @@ def endpoints_from_slices(
                 tp_size=tp_size,
                 revision=pod_labels.get(pod, {}).get(revision_label, ""),
                 topology=topology.place(ep.get("zone"), pod_labels.get(pod, {})),
+                # The pod's own KV-event endpoints (vLLM binds them on every address), when it publishes.
+                kv_events=_tcp(addresses[0], kv_events_ports[0]),
+                kv_events_replay=_tcp(addresses[0], kv_events_ports[1]) if kv_events_ports[0] else "",
             )
     return tuple(found[k] for k in sorted(found))
+
+
+def _tcp(address: str, port: int | None) -> str:
+    return f"tcp://{_url_host(address)}:{port}" if port else ""
 
 
 def _name(obj: dict[str, Any]) -> str:
@@ -140,8 +148,9 @@ class KubernetesDiscovery:
                 ns, label_selector=selector, _request_timeout=API_TIMEOUT_S
             ).items
             slices = [api.sanitize_for_serialization(s) for s in items]
+            ports = (self.cfg.kv_events_port, self.cfg.kv_events_replay_port)
             roles[role] = endpoints_from_slices(
-                slices, labels, role, self.cfg.tp_size[role], self.cfg.revision_label
+                slices, labels, role, self.cfg.tp_size[role], self.cfg.revision_label, ports
             )
         return Pool(prefill=roles["prefill"], decode=roles["decode"])
 

@@ -64,6 +64,20 @@ class RouterMetrics:
             "kvferry_router_prefix_hit_tokens", "Of those, tokens the chosen engine already held by the "
             "router's prefix index (its hit rate: hit / prompt tokens per role)", ["role"], registry=r,
         )  # fmt: skip
+        self.kv_event_blocks = Counter(
+            "kvferry_router_kv_event_blocks", "Blocks the engines' KV-cache events reported, applied to the "
+            "prefix index: stored, removed, or skipped (unknown parent, other block size, LoRA or extra "
+            "keys)", ["role", "change"], registry=r,
+        )  # fmt: skip
+        self.kv_event_resyncs = Counter(
+            "kvferry_router_kv_event_resyncs", "Times an engine's event stream was re-read from its replay "
+            "buffer: connect (first read), gap (batches missed), restart (sequence went back)",
+            ["role", "reason"], registry=r,
+        )  # fmt: skip
+        self.kv_event_engines = Gauge(
+            "kvferry_router_kv_event_engines", "Engines whose KV-cache events this router follows",
+            ["role"], registry=r,
+        )  # fmt: skip
         self.errors_by_status = Counter(
             "kvferry_router_errors", "Error responses by HTTP status", ["status"], registry=r
         )

@@ -7,8 +7,10 @@ its parent's key with its content, so equal keys mean equal prefixes up to and i
 (vLLM's prefix cache works the same way); only full blocks count, as only full blocks are cached.
 
 `PrefixIndex` remembers, per engine, the keys of the prompts the router sent it, in a bounded LRU:
-what an engine held recently is what its prefix cache most likely still holds. Engines that leave the
-pool are forgotten with their keys.
+what an engine held recently is what its prefix cache most likely still holds. Where the engine
+publishes vLLM's KV-cache events (router/kvevents.py, router/kvfeed.py), those correct it: blocks it
+cached (answers it generated included, which the router never sent) are added, blocks it evicted
+removed. Engines that leave the pool are forgotten with their keys.
 """
 
 from __future__ import annotations
@@ -36,13 +38,23 @@ class PromptKeys:
         return min(blocks * self.tokens_per_key, self.tokens)
 
 
+def chain_one(parent: bytes, chunk: bytes) -> bytes:
+    """A block's key: its content hashed together with the key before it (16-byte BLAKE2b)."""
+    return hashlib.blake2b(parent + chunk, digest_size=16).digest()
+
+
 def chained(chunks: Iterable[bytes]) -> tuple[bytes, ...]:
-    """Key of each chunk, hashed together with the key before it (16-byte BLAKE2b)."""
+    """Key of each chunk, chained from the first (whose parent is b"")."""
     keys, parent = [], b""
     for chunk in chunks:
-        parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
+        parent = chain_one(parent, chunk)
         keys.append(parent)
     return tuple(keys)
+
+
+def token_chunk(tokens: Sequence[int]) -> bytes:
+    """A block of token ids as key content (router/kvevents.py keys vLLM's stored blocks with it too)."""
+    return b"t" + b",".join(str(t).encode() for t in tokens)
 
 
 def prompt_text(path: str, body: dict[str, Any]) -> str | list[int]:
@@ -68,10 +80,7 @@ def prompt_keys(prompt: str | list[int], block_tokens: int, chars_per_token: flo
     """The full blocks' chained keys of a prompt (token ids, or text measured in characters)."""
     if isinstance(prompt, list):
         blocks = len(prompt) // block_tokens
-        chunks = (
-            b"t" + b",".join(str(t).encode() for t in prompt[i * block_tokens : (i + 1) * block_tokens])
-            for i in range(blocks)
-        )
+        chunks = (token_chunk(prompt[i * block_tokens : (i + 1) * block_tokens]) for i in range(blocks))
         return PromptKeys(chained(chunks), len(prompt), block_tokens)
     block_chars = max(1, round(block_tokens * chars_per_token))
     tokens = round(len(prompt) / chars_per_token)
@@ -82,7 +91,8 @@ def prompt_keys(prompt: str | list[int], block_tokens: int, chars_per_token: flo
 
 @dataclass
 class PrefixIndex:
-    """Per engine (by URL): the block keys it was sent, most recent last, at most `max_blocks` each."""
+    """Per engine (by URL): the block keys it was sent or reported cached, most recent last, at most
+    `max_blocks` each."""
 
     max_blocks: int
     held: dict[str, OrderedDict[bytes, None]] = field(default_factory=dict)
@@ -108,6 +118,25 @@ class PrefixIndex:
                 break
             n += 1
         return n
+
+    def stored(self, engine: str, keys: Sequence[bytes]) -> None:
+        """The engine's KV events say it cached these blocks (router/kvevents.py): most recent now."""
+        lru = self.held.setdefault(engine, OrderedDict())
+        for key in keys:
+            lru[key] = None
+            lru.move_to_end(key)
+        while len(lru) > self.max_blocks:
+            lru.popitem(last=False)
+
+    def removed(self, engine: str, keys: Sequence[bytes]) -> None:
+        """The engine's KV events say it evicted these blocks: it no longer holds them."""
+        lru = self.held.get(engine)
+        for key in keys if lru is not None else ():
+            lru.pop(key, None)  # type: ignore[union-attr]
+
+    def cleared(self, engine: str) -> None:
+        """The engine's cache was reset (or the engine restarted): it holds nothing."""
+        self.held.pop(engine, None)
 
     def forget(self, keep: set[str]) -> None:
         """Drop the engines that left the pool (pods come and go; their caches went with them)."""

@@ -102,7 +102,7 @@ async def one_request(
         **({"return_token_ids": True} if return_ids else {}),
     }  # fmt: skip
     start = time.perf_counter()
-    first, tokens, ids = 0.0, 0, []
+    first, tokens, ids = 0.0, 0, list[int]()
     try:
         async with client.stream("POST", sweep.url.rstrip("/") + "/v1/completions", json=body) as resp:
             if resp.status_code != 200:

@@ -138,6 +138,7 @@ class PdStack:
     kvferry_extra: dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config overrides
     load_failure_policy: str = "fail"  # decode's kv_load_failure_policy
     router_extra: dict[str, Any] = field(default_factory=dict)  # router.yaml keys, e.g. limits
+    kv_events: bool = False  # engines publish vLLM's KV-cache events; the router follows them
     prefill: VllmProcess | None = None
     decode: VllmProcess | None = None
     router: RouterProcess | None = None
@@ -152,6 +153,7 @@ class PdStack:
             model=self.model, port=free_port(), role=role, connector=connector, engine_id=f"{role}-0",
             side_port=free_port(), block_size=block_size, cores=cores, kv_cache_gib=self.kv_cache_gib,
             dtype=self.dtype, load_failure_policy=self.load_failure_policy,
+            kv_events=self._kv_events(role),
             # Upstream baselines only; the kvferry connector owns its NIXL agent config.
             no_progress_thread=self.no_progress_thread and connector != "KvferryConnector",
             # kvferry defaults to LIBFABRIC (EFA); loopback on a CPU host is UCX.
@@ -161,11 +163,18 @@ class PdStack:
         )  # fmt: skip
         return VllmProcess(spec, self.workdir / f"{role}.log")
 
+    def _kv_events(self, role: str) -> tuple[str, str] | None:
+        """The role's event endpoints: ipc sockets in the workdir (no port to race for, loopback only)."""
+        if not self.kv_events:
+            return None
+        return (f"ipc://{self.workdir / role}.kv-events", f"ipc://{self.workdir / role}.kv-replay")
+
     def router_config(self) -> dict[str, Any]:
         assert self.prefill is not None and self.decode is not None
         entry = lambda p: {  # noqa: E731
             "url": p.url, "engine_id": p.spec.engine_id, "side_host": p.spec.host,
             "side_port": p.spec.side_port, "tp_size": 1, "revision": "r1",
+            **dict(zip(("kv_events", "kv_events_replay"), p.spec.kv_events_urls(), strict=True)),
         }  # fmt: skip
         return {
             "mode": self.mode,

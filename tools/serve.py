@@ -71,6 +71,14 @@ class ServerSpec:
     prefix_caching: bool = True  # vLLM's prefix cache, on as in the operator's default (both roles)
     connector_extra: dict[str, Any] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
+    # vLLM's KV-cache events (`--kv-events-config`): where it publishes the stream and its replay
+    # buffer, ZMQ endpoints it binds; None: not published. Local stacks use ipc:// paths: vLLM binds a
+    # tcp endpoint only on a wildcard address (`tcp://*:port`, every interface), and connects otherwise.
+    kv_events: tuple[str, str] | None = None
+
+    def kv_events_urls(self) -> tuple[str, str]:
+        """Where the router reaches the event stream and its replay buffer ("" when not published)."""
+        return self.kv_events or ("", "")
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -124,7 +132,20 @@ def command(spec: ServerSpec, python: str = sys.executable) -> list[str]:
     config = kv_transfer_config(spec)
     if config is not None:
         cmd += ["--kv-transfer-config", json.dumps(config)]
+    if spec.kv_events is not None:
+        cmd += ["--kv-events-config", json.dumps(kv_events_config(*spec.kv_events))]
     return cmd + list(spec.extra_args)
+
+
+def kv_events_config(endpoint: str, replay_endpoint: str) -> dict[str, Any]:
+    """vLLM's --kv-events-config: publish what the prefix cache stores and evicts (router/kvfeed.py)."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "replay_endpoint": replay_endpoint,
+        "topic": "kv-events",
+    }
 
 
 def launch_env(

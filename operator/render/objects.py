@@ -15,9 +15,8 @@ import jinja2
 import yaml
 from kvferry.contracts import pods, versions
 from kvferry.operator import names
-from kvferry.operator.render import groups, images, injection, placement, presets, security
+from kvferry.operator.render import groups, images, injection, placement, presets, routing, security
 from kvferry.operator.render.presets import PodPlan, merge
-from kvferry.operator.render.routing import routing_config
 from kvferry.operator.spec import GROUP, KIND, VERSION, Role, Spec, parse_spec
 
 DEFAULT_ROUTER_IMAGE = images.operator_image()  # the operator image also holds the router
@@ -138,6 +137,8 @@ def vllm_args(spec: Spec, role: str, kv_json: str, shutdown_timeout: int) -> lis
     if engine.max_model_len:
         args += ["--max-model-len", str(engine.max_model_len)]
     args.append("--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching")
+    if routing.kv_events(spec):
+        args += ["--kv-events-config", json.dumps(routing.kv_events_config(), separators=(",", ":"))]
     args += ["--shutdown-timeout", str(shutdown_timeout), "--kv-transfer-config", kv_json]
     return args + engine.extra_args + rspec.extra_args
 
@@ -191,6 +192,14 @@ def role_context(
         "prestop_seconds": PRESTOP_SECONDS,
         "grace_seconds": PRESTOP_SECONDS + shutdown + GRACE_MARGIN_SECONDS,
         "side_channel_port": spec.kv_transfer.side_channel_port,
+        "kv_events_ports": (
+            [
+                (pods.PORT_KV_EVENTS, pods.KV_EVENTS_PORT),
+                (pods.PORT_KV_EVENTS_REPLAY, pods.KV_EVENTS_REPLAY_PORT),
+            ]
+            if routing.kv_events(spec)
+            else []
+        ),
         "kv_transfer_json": kv_json,
         "inject": None,  # set by render() for connectorSource inject (injection.py)
     }
@@ -213,7 +222,7 @@ def router_config(spec: Spec, cr_name: str, namespace: str) -> dict[str, Any]:
         "model": spec.served_model_name or spec.model,
         "policy": spec.router.policy,
         "deadlines": {"prefill_s": 60, "decode_first_token_s": 60, "transfer_s": deadline, "total_s": 600},
-        "routing": routing_config(spec),
+        "routing": routing.routing_config(spec),
         "discovery": {
             "kubernetes": {
                 "namespace": namespace,
@@ -224,6 +233,14 @@ def router_config(spec: Spec, cr_name: str, namespace: str) -> dict[str, Any]:
                     "prefill": spec.prefill.tensor_parallel_size,
                     "decode": spec.decode.tensor_parallel_size,
                 },
+                **(
+                    {
+                        "kv_events_port": pods.KV_EVENTS_PORT,
+                        "kv_events_replay_port": pods.KV_EVENTS_REPLAY_PORT,
+                    }
+                    if routing.kv_events(spec)
+                    else {}
+                ),
             }
         },
     }

@@ -4,8 +4,29 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvferry.contracts import pods
 from kvferry.operator.render import presets
 from kvferry.operator.spec import Spec
+
+
+def kv_events(spec: Spec) -> bool:
+    """Whether the engines publish KV-cache events for the router: only when it routes by prefix and
+    the engines keep a prefix cache to report on."""
+    r = spec.router.routing
+    return bool(r.kv_events and r.prefix_aware and spec.router.policy == "least-loaded") and bool(
+        spec.vllm.enable_prefix_caching
+    )
+
+
+def kv_events_config() -> dict[str, Any]:
+    """vLLM's --kv-events-config: bound on every address of the pod; the router connects to the pod IP."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{pods.KV_EVENTS_PORT}",
+        "replay_endpoint": f"tcp://*:{pods.KV_EVENTS_REPLAY_PORT}",
+        "topic": "kv-events",
+    }
 
 
 def routing_config(spec: Spec) -> dict[str, Any]:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvferry.contracts import pods
 from kvferry.operator import names
-from kvferry.operator.render import placement
+from kvferry.operator.render import placement, routing
 from kvferry.operator.render.presets import PodPlan
 from kvferry.operator.spec import Spec
 
@@ -129,4 +130,7 @@ def network_policy_context(
         "metrics_readers": np.metrics_readers or [operator_peer(operator_namespace)],
         "clients": np.clients,
         "side_channel_port": side_channel_port,
+        "kv_events_ports": [pods.PORT_KV_EVENTS, pods.PORT_KV_EVENTS_REPLAY]
+        if routing.kv_events(spec)
+        else [],
     }

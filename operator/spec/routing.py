@@ -65,6 +65,12 @@ class Routing:
         minimum=0.5,
         maximum=64,
     )
+    kv_events: bool = f(
+        "With prefixAware: engines publish vLLM's KV-cache events (--kv-events-config, ZMQ on ports 5557 "
+        "and 5558) and the router follows them, so it knows the blocks each engine cached (answers it "
+        "generated included) and evicted; without them it knows only what it sent where.",
+        True,
+    )
     index_blocks_per_engine: int = f(
         "Prefix blocks the router remembers per engine (least recently used forgotten first).",
         65536,

@@ -18,6 +18,8 @@ import pytest
 from kvferry.router.promtext import metric_sum, parse_metrics
 from kvferry.tools.pdstack import PdStack
 
+from tests.waiting import wait_until
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 BLOCK = 64
 ROUTING = {
@@ -32,7 +34,7 @@ NEXT = [10 + (i * 104729 + 3) % 1990 for i in range(BLOCK)]  # the next turn's n
 def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdStack]:
     pd = PdStack(
         "kvferry", tiny_model, tmp_path_factory.mktemp("prefix-routing"), prefill_block_size=BLOCK,
-        decode_block_size=BLOCK, router_extra={"routing": ROUTING},
+        decode_block_size=BLOCK, router_extra={"routing": ROUTING}, kv_events=True,
     )  # fmt: skip
     pd.start()  # its warm-up request is short: served by decode alone
     try:
@@ -41,8 +43,8 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         pd.stop()
 
 
-def _complete(url: str, prompt: list[int]) -> list[int]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+def _complete(url: str, prompt: list[int], max_tokens: int = 8) -> list[int]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}  # fmt: skip
     resp = httpx.post(url + "/v1/completions", json=body, timeout=180)
     assert resp.status_code == 200, resp.text[:300]
@@ -62,6 +64,10 @@ def _counts(pd: PdStack) -> dict[str, float]:
         "pd": metric_sum(r, "kvferry_router_served_total", path="pd"),
         "held": metric_sum(r, "kvferry_router_served_total", reason="decode_holds_prefix"),
         "short": metric_sum(r, "kvferry_router_served_total", reason="short_prompt"),
+        "d_believed_hit": metric_sum(r, "kvferry_router_prefix_hit_tokens_total", role="decode"),
+        "d_events_stored": metric_sum(
+            r, "kvferry_router_kv_event_blocks_total", role="decode", change="stored"
+        ),
     }
 
 
@@ -94,3 +100,25 @@ def test_next_turn_goes_to_the_decode_holding_its_history_and_short_prompts_to_d
     # The decode-alone answer over the received history equals prefill computing that prompt itself.
     assert stack.prefill is not None
     assert routed == _complete(stack.prefill.url, HISTORY + NEXT)
+
+
+def test_the_router_knows_the_answer_blocks_decode_generated_from_its_kv_events(stack: PdStack) -> None:
+    """vLLM caches the blocks of the answers decode generates; the router never sent those tokens, so
+    only decode's KV-cache events (router/kvfeed.py) tell it. The next turn re-sends the answer: the
+    router's belief of decode's hit must equal what vLLM then finds in its cache, block for block."""
+    opening = [10 + (i * 6151 + 5) % 1990 for i in range(3 * BLOCK + BLOCK // 2)]  # 3.5 blocks
+    c0 = _counts(stack)
+    answer = _complete(stack.url, opening, max_tokens=BLOCK)  # P/D; decode's answer completes block 4
+    assert len(answer) == BLOCK
+    c1 = wait_until(
+        lambda: _counts(stack),
+        "decode's events report the blocks its answer filled",
+        until=lambda c: c["d_events_stored"] - c0["d_events_stored"] >= 4,  # 3 received + 1 generated
+    )
+    new = [10 + (i * 3301 + 11) % 1990 for i in range(BLOCK)]
+    _complete(stack.url, opening + answer + new)  # 4 full blocks held on decode: 3.5 of prompt + answer
+    turn = _delta(_counts(stack), c1)
+    held = 4 * BLOCK
+    assert turn["d_cache_hit"] == held, turn  # vLLM: decode's cache held the history and its own answer
+    assert turn["d_believed_hit"] == held, turn  # the router knew it (prompts alone would say 3 blocks)
+    assert (turn["pd"], turn["p_prompt"]) == (0, 0), turn  # so decode alone served it, prefill idle

@@ -68,7 +68,12 @@ def test_engine_identity_comes_from_the_pod_and_both_roles_share_revision() -> N
         env = {e["name"]: e for e in container["env"]}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["value"] == "$(POD_IP)"
-        assert [p["name"] for p in container["ports"]] == ["http", "side-channel"]
+        assert [p["name"] for p in container["ports"]] == [
+            "http",
+            "side-channel",
+            "kv-events",
+            "kv-events-replay",
+        ]
         revs.add(pod["metadata"]["labels"][names.LABEL_REVISION])
     assert len(revs) == 1
 
