@@ -301,7 +301,7 @@ def summed(ports: list[int]) -> tuple[float, dict[str, float]]:
 
 
 def run_design(
-    design: str, n: int, cpu_nodes: int, timeout_s: float, workdir: Path, shards: int = 1
+    design: str, n: int, cpu_nodes: int, timeout_s: float, workdir: Path, shards: int = 1, lag_s: float = 120
 ) -> dict[str, Any]:
     label = design if shards == 1 else f"{design}, {shards} shards"
     print(f"[{label}] starting a control plane with {cpu_nodes} kwok nodes", flush=True)
@@ -385,7 +385,7 @@ def run_design(
             # Status lag: one CR's transfers move; how long until its status shows them.
             engines.transfers[LAG_CR] = 4242
             t1 = time.monotonic()
-            lag = wait(lambda: transfers_shown(custom, LAG_CR) == 4242, "status lag", 120)
+            lag = wait(lambda: transfers_shown(custom, LAG_CR) == 4242, "status lag", lag_s)
             out["lag_s"] = None if lag is None else time.monotonic() - t1
             out["peak_rss_each"] = [rss_mib(p.pid) for p in procs]
             out["peak_rss_mib"] = sum(out["peak_rss_each"])
@@ -425,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         "--shards", type=int, default=1, help="also run each operator design as this many shard replicas"
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds per design from apply to all Ready")
+    p.add_argument(
+        "--lag-timeout", type=float, default=120, help="seconds to wait for the status lag figure after Ready"
+    )
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--floor-client", metavar="KUBECONFIG", help=argparse.SUPPRESS)  # the floor's subprocess
     args = p.parse_args(argv)
@@ -444,7 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvferry-opbench-") as tmp:
         for design, shards in runs:
             try:
-                results.append(run_design(design, args.crs, nodes, args.timeout, Path(tmp), shards))
+                results.append(
+                    run_design(design, args.crs, nodes, args.timeout, Path(tmp), shards, args.lag_timeout)
+                )
             except Exception:  # one design failing still leaves the others' figures
                 traceback.print_exc()
                 label = design if shards == 1 else f"{design}, {shards} shards"
