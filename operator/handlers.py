@@ -27,6 +27,7 @@ from kvferry.operator.autoscale import timer as autoscale_timer
 from kvferry.operator.changes import Change, Changes
 from kvferry.operator.coalesce import Coalescer
 from kvferry.operator.config import OperatorConfig
+from kvferry.operator.latest import Latest
 from kvferry.operator.packed import pack, unpack
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 from kvferry.operator.status import publish, scrape
@@ -219,6 +220,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         quiet_kopf_events()
         settings.execution.max_workers = 8  # reconciles run in threads (the client is synchronous)
         memo.executor = settings.execution.executor
+        memo.checks = Latest(settings.execution.max_workers)  # workload checks waiting for a thread
         memo.kube = Kube.from_kubeconfig(cfg.kubeconfig or None)
         memo.kube.on_request = selfmetrics.record_request
         if cfg.peering and not cfg.standalone:  # startup runs before kopf starts peering
@@ -343,10 +345,17 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             if memo.refreshes is not None:
                 kw["refresh"] = lambda: memo.refreshes.request(key)
             run = lambda: timed("owned", lambda: reconcile.on_owned_change(memo.kube, cr, cfg, **kw))  # noqa: E731
-            # Render and apply block on the API server: on kopf's threads, with kopf's context (posting).
-            ctx = contextvars.copy_context()
-            outcome = await asyncio.get_running_loop().run_in_executor(memo.executor, ctx.run, run)
-            post(_ref(cr), outcome)
+
+            async def check() -> None:
+                # Render and apply block on the API server: on kopf's threads, with kopf's context (posting).
+                ctx = contextvars.copy_context()
+                outcome = await asyncio.get_running_loop().run_in_executor(memo.executor, ctx.run, run)
+                post(_ref(cr), outcome)
+
+            if legacy:
+                await check()  # the before design: the object's worker waits for its thread
+            else:  # the worker goes on with the object's next event; the newest waiting check wins
+                memo.checks.submit(body["metadata"]["uid"], check)
 
     @kopf.timer(
         *CR,
