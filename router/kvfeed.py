@@ -26,6 +26,9 @@ from kvferry.router.prefix import PrefixIndex
 log = logging.getLogger(__name__)
 
 REPLAY_TIMEOUT_S = 5.0  # per reply frame; vLLM answers a replay from memory
+# A batch is one engine step's events (KiBs); a larger frame is dropped by ZMQ before it is buffered,
+# so a broken or hostile publisher cannot make the router hold arbitrary amounts of memory.
+MAX_FRAME_BYTES = 32 << 20
 END_SEQ = -1  # vLLM's end-of-replay marker
 
 
@@ -67,6 +70,7 @@ class KvEventFeed:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sub.connect(ep.kv_events)
         try:
             await self._replay(ep, state, "connect")
@@ -104,6 +108,7 @@ class KvEventFeed:
         self.metrics.kv_event_resyncs.labels(ep.role, reason).inc()
         req = self._ctx.socket(zmq.DEALER)
         req.setsockopt(zmq.LINGER, 0)
+        req.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         req.connect(ep.kv_events_replay)
         try:
             await req.send_multipart([b"", state.next_seq.to_bytes(kvevents.SEQ_BYTES, "big")])
