@@ -11,7 +11,7 @@ PORT_SIDE_CHANNEL = "side-channel"  # the connector's agent-metadata side channe
 # vLLM's KV-cache events (--kv-events-config), which the router follows for prefix-aware routing
 # (router/kvfeed.py): the live stream (ZMQ PUB) and its replay buffer (ZMQ ROUTER).
 PORT_KV_EVENTS, KV_EVENTS_PORT = "kv-events", 5557
-PORT_KV_EVENTS_REPLAY, KV_EVENTS_REPLAY_PORT = "kv-events-replay", 5558
+PORT_KV_EVENTS_REPLAY, KV_EVENTS_REPLAY_PORT = "kv-replay", 5558  # port names: at most 15 characters
 
 # --kv-transfer-config: vLLM imports CONNECTOR_MODULE and takes CONNECTOR_CLASS from it.
 CONNECTOR_CLASS = "KvferryConnector"

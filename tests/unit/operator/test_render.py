@@ -72,7 +72,7 @@ def test_engine_identity_comes_from_the_pod_and_both_roles_share_revision() -> N
             "http",
             "side-channel",
             "kv-events",
-            "kv-events-replay",
+            "kv-replay",
         ]
         revs.add(pod["metadata"]["labels"][names.LABEL_REVISION])
     assert len(revs) == 1

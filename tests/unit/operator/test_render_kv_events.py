@@ -5,6 +5,7 @@ rule that lets the router (only) reach them all appear together, or none of them
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -77,3 +78,13 @@ def test_without_prefix_aware_routing_nothing_is_published(change: dict[str, Any
         assert set(got[role]["ports"]) == {pods.PORT_HTTP, pods.PORT_SIDE_CHANNEL}
     assert "kv_events_port" not in got["discovery"]
     assert got["router_ports"] == [pods.PORT_HTTP]
+
+
+def test_every_engine_port_name_is_a_valid_service_port_name() -> None:
+    """Kubernetes refuses a container port name over 15 characters (IANA_SVC_NAME), at apply time."""
+    got = _rendered(make_inference("e").obj())
+    for role in ("prefill", "decode"):
+        for name in got[role]["ports"]:
+            assert re.fullmatch(r"(?=.{1,15}$)[a-z0-9]+(-[a-z0-9]+)*", name) and re.search("[a-z]", name), (
+                name
+            )
