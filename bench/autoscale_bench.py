@@ -18,8 +18,13 @@ and drain sequence, and the tail's failed requests say whether any was lost.
 
 Steps: `prefill` (long prompts, few output tokens: prefill saturates, TTFT grows) and `decode` (short
 prompts, long outputs: many sequences on decode, ITL grows). Engines are unpinned single-threaded
-vLLM-CPU processes (`VLLM_CPU_OMP_THREADS_BIND=nobind`, one OpenMP thread): two cores hold at most
-three of them, and a new pod helps only with the CPU the other role leaves idle.
+vLLM-CPU processes (`VLLM_CPU_OMP_THREADS_BIND=nobind`, one OpenMP thread) with `limits.cpu`
+(`--cpu-limit`, default 500m), which the node agent enforces as a CFS quota: each pod is a fixed
+slice of the two cores, so a second pod of a role adds capacity (three pods: 1.5 cores, the rest for
+the router, control plane and client). `--cpu-limit 0`: no limit, the engines share the cores and a
+new pod helps only with the CPU the other role leaves idle (the runs before the node agent enforced
+limits). Prefill step rates default to multiples of one prefill pod's capacity, measured first:
+TTFT p50 of the step's prompts at a low rate (`--step-factor` × 1/that, base 0.3 × 1/that).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ NS, NAME = "autoscale-bench", "tiny"
 POD_CIDR = "10.213.3.0/24"
 STEPS: dict[str, dict[str, Any]] = {
     # prompt tokens, output tokens, base and step rates (req/s)
-    "prefill": {"prompt": 1000, "output": 8, "base": 0.5, "step": 2.2},
+    "prefill": {"prompt": 600, "output": 8, "base": 0.0, "step": 0.0},  # 0: from the calibration
     "decode": {"prompt": 32, "output": 256, "base": 1.0, "step": 6.0},
 }
 ENGINE_ENV = [
@@ -57,12 +62,17 @@ ENGINE_ENV = [
 def bench_cr(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     cr = demo_cr(NAME, NS, model)
     spec = cr["spec"]
-    resources = {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "6Gi"}}
+    resources: dict[str, dict[str, str]] = {
+        "requests": {"cpu": "1", "memory": "4Gi"},
+        "limits": {"memory": "6Gi"},
+    }
+    if args.cpu_limit not in ("", "0"):
+        resources["requests"]["cpu"] = resources["limits"]["cpu"] = args.cpu_limit
     role = {"replicas": 1, "replicasOwner": "autoscaler", "env": ENGINE_ENV, "resources": resources}
     spec["prefill"], spec["decode"] = dict(role), dict(role)
     # A saturated prefill queues for tens of seconds without the planner: keep the KV lease and
     # decode's deadline above that, so the comparison shows latency, not recomputes.
-    spec["kvTransfer"] = {"leaseSeconds": 60, "deadlineSeconds": 60}
+    spec["kvTransfer"] = {"leaseSeconds": 150, "deadlineSeconds": 150}
     spec["autoscaling"] = {
         "ttftSeconds": args.ttft, "itlSeconds": args.itl, "percentile": "p50",
         "prefill": {"minReplicas": 1, "maxReplicas": 2}, "decode": {"minReplicas": 1, "maxReplicas": 2},
@@ -104,6 +114,7 @@ async def run_phase(
     shape = Shape(args.prompt or step["prompt"], step["output"])
     on_from, on_to = args.base_s, args.base_s + args.step_s
     rates = (args.base_rate or step["base"], args.step_rate or step["step"])
+    assert rates[0] > 0 and rates[1] > 0, rates
     rate = lambda t: rates[1] if on_from <= t < on_to else rates[0]  # noqa: E731
     end = on_to + tail_s
     load = OpenLoop(url, "tiny", lambda t: shape, rate, seed=7)
@@ -153,7 +164,10 @@ def side_by_side(off: dict[str, Any], on: dict[str, Any], width: float) -> str:
 def schedule(args: argparse.Namespace) -> str:
     step = STEPS[args.step]
     base, high = args.base_rate or step["base"], args.step_rate or step["step"]
-    return (f"{args.prompt or step['prompt']}-token prompts, {step['output']} output tokens; "
+    limit = (
+        f"engines limited to {args.cpu_limit} CPU each" if args.cpu_limit not in ("", "0") else "no CPU limit"
+    )
+    return (f"{limit}; " f"{args.prompt or step['prompt']}-token prompts, {step['output']} output tokens; "
             f"{base} req/s for {args.base_s:.0f} s, {high} req/s for {args.step_s:.0f} s, then {base} req/s "
             f"(off: until served; on: {args.tail_s:.0f} s)")  # fmt: skip
 
@@ -165,11 +179,14 @@ def summary(name: str, ph: dict[str, Any], args: argparse.Namespace) -> dict[str
     rows = ph["cluster"]
     first = lambda key: next((r["t"] for r in rows if r[key] >= 2), None)  # noqa: E731
     wanted = lambda key: next((r["t"] for r in rows if (r[key] or 0) >= 2), None)  # noqa: E731
-    under = None
-    for b in ph["buckets"]:  # the first bucket in the step from which TTFT p50 stays under target
-        if lo <= b["t"] < hi and b["ttft_p50"] is not None:
-            under = b["t"] if b["ttft_p50"] <= args.ttft and under is None else under
-            under = None if b["ttft_p50"] > args.ttft else under
+
+    def under(key: str, target: float) -> float | None:  # the step's first bucket from which p50 stays under
+        start = None
+        for b in ph["buckets"]:
+            if lo <= b["t"] < hi and b[key] is not None:
+                start = (b["t"] if start is None else start) if b[key] <= target else None
+        return start
+
     return {
         "phase": name,
         "late_step_ttft_p50": pct([s["ttft"] for s in late], 0.5),
@@ -177,12 +194,27 @@ def summary(name: str, ph: dict[str, Any], args: argparse.Namespace) -> dict[str
         "late_step_itl_p50": pct([s["itl"] for s in late if s["itl"] is not None], 0.5),
         "planner_wants_2": {"prefill": wanted("P_desired"), "decode": wanted("D_desired")},
         "second_pod_ready": {"prefill": first("P"), "decode": first("D")},
-        "ttft_under_target_from": under,
+        "ttft_under_target_from": under("ttft_p50", args.ttft),
+        "itl_under_target_from": under("itl_p50", args.itl),
         "requests": len(ph["samples"]),
         "failed": sum(1 for s in ph["samples"] if s["error"]),
         "errors": sorted({s["error"][:100] for s in ph["samples"] if s["error"]})[:5],
         "final_replicas": _replicas_at(rows, 1e9),
     }
+
+
+async def calibrate(url: str, args: argparse.Namespace) -> float:
+    """TTFT p50 of the step's prompts sent one every 3 s: one prefill pod's service time, unloaded."""
+    shape = Shape(args.prompt or STEPS["prefill"]["prompt"], STEPS["prefill"]["output"])
+    load = OpenLoop(url, "tiny", lambda t: shape, lambda t: 1 / 3, seed=3)
+    task = asyncio.create_task(load.run())
+    await asyncio.sleep(30)
+    load.stop()
+    await task
+    ttft = pct([s.ttft for s in load.samples if s.ttft is not None and not s.error], 0.5)
+    if ttft is None:
+        raise RuntimeError(f"calibration: no request succeeded: {[s.error for s in load.samples][:3]}")
+    return ttft
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -218,6 +250,12 @@ async def main_async(args: argparse.Namespace) -> int:
         await asyncio.sleep(8)
         warm.stop()
         await task
+        if args.step == "prefill" and not (args.base_rate and args.step_rate):
+            calibration = await calibrate(url, args)
+            args.base_rate = args.base_rate or round(0.3 / calibration, 2)
+            args.step_rate = args.step_rate or round(args.step_factor / calibration, 2)
+            print(f"one prefill pod: TTFT p50 {calibration:.2f} s at a low rate; base {args.base_rate} "
+                  f"req/s, step {args.step_rate} req/s", flush=True)  # fmt: skip
         # Without the planner the step's backlog is served before the next phase starts (the load's
         # end waits for every request); with it, the tail at the base rate shows the scale-in.
         results["off"] = await run_phase("off", stack, url, args, 0.0)
@@ -259,8 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=0, help="prompt tokens (default: the step's)")
     p.add_argument("--base-rate", type=float, default=0.0, help="req/s (default: the step's)")
     p.add_argument("--step-rate", type=float, default=0.0, help="req/s (default: the step's)")
+    p.add_argument("--step-factor", type=float, default=1.5, help="prefill step rate / one pod's capacity")
+    p.add_argument("--cpu-limit", default="500m", help="limits.cpu of each engine pod; 0: none")
     p.add_argument("--base-s", type=float, default=15.0)
-    p.add_argument("--step-s", type=float, default=150.0)
+    p.add_argument("--step-s", type=float, default=240.0)
     p.add_argument("--tail-s", type=float, default=45.0)
     p.add_argument("--bucket-s", type=float, default=10.0)
     p.add_argument("--out", default="")
