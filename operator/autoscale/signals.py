@@ -5,8 +5,12 @@ difference of two scrapes, pod by pod: a pod first seen in this scrape only sets
 pod whose counts went down (restarted) counts from zero. The input is parsed samples keyed by a
 source name (a pod; or one router endpoint aggregating a pool), so either source can feed it.
 
-Names are vLLM's own (vllm/v1/metrics/loggers.py): TTFT and inter-token latency are read on decode,
-where a request's first token includes its wait for KV from prefill; queues and KV usage per role.
+Names are vLLM's own (vllm/v1/metrics/loggers.py). Inter-token latency is read on decode. TTFT is read
+on both roles and the larger percentile counts: decode's first token includes its wait for KV only
+from when decode's leg opened, and the router opens it when prefill is about to start the request
+(router `push.decode_start: before-prefill`), so a request's time in prefill's queue shows only in
+prefill's own TTFT (its one-token leg, sent on arrival). Each is a lower bound of what clients see.
+Queues and KV usage per role.
 """
 
 from __future__ import annotations
@@ -96,7 +100,7 @@ def _count(buckets: Buckets) -> int:
 class Window:
     """What the planner sees for one evaluation: latencies over the window, queues and pods now."""
 
-    ttft: float | None = None  # seconds at the spec's percentile; None: too few requests finished
+    ttft: float | None = None  # seconds at the spec's percentile, the larger role's; None: too few requests
     itl: float | None = None
     requests: int = 0  # first tokens observed on decode in the window
     tokens: int = 0  # inter-token intervals observed in the window
@@ -117,12 +121,16 @@ def window(before: Scrape, now: Scrape, percentile: str) -> Window:
     """The planner's view between two scrapes; `before` empty (first scrape) gives queues only."""
     q = QUANTILES[percentile]
     prefill, decode = now.get("prefill", {}), now.get("decode", {})
-    old = before.get("decode", {})
+    old, old_prefill = before.get("decode", {}), before.get("prefill", {})
     ttft = _sum(increase(s.ttft, old[p].ttft if p in old else None) for p, s in decode.items())
     itl = _sum(increase(s.itl, old[p].itl if p in old else None) for p, s in decode.items())
+    queued = _sum(
+        increase(s.ttft, old_prefill[p].ttft if p in old_prefill else None) for p, s in prefill.items()
+    )
     requests, tokens = _count(ttft), _count(itl)
+    seen = [v for b in (ttft, queued) if _count(b) >= MIN_REQUESTS and (v := quantile(b, q)) is not None]
     return Window(
-        ttft=quantile(ttft, q) if requests >= MIN_REQUESTS else None,
+        ttft=max(seen) if requests >= MIN_REQUESTS and seen else None,
         itl=quantile(itl, q) if tokens >= MIN_REQUESTS else None,
         requests=requests,
         tokens=tokens,

@@ -123,3 +123,17 @@ def test_too_few_requests_give_no_percentile() -> None:
 def test_text_that_is_not_metrics_is_refused() -> None:
     with pytest.raises(ValueError):
         parse_engine("<html>not metrics</html>\n{")
+
+
+def test_time_in_prefill_s_queue_counts_where_decode_does_not_see_it() -> None:
+    """Decode's leg opens when prefill is about to start the request, so its TTFT misses prefill's
+    queue; prefill's own TTFT (its one-token leg, sent on arrival) holds it, and the larger counts."""
+    p, d = Engine(), Engine()
+    before = {"prefill": {"p0": parse_engine(p.text())}, **scrape(d0=d)}
+    for _ in range(20):
+        d.ttft.observe(0.05)  # decode: the KV came soon after its leg opened
+        p.ttft.observe(3.0)  # prefill: the requests waited in its queue
+    w = window(before, {"prefill": {"p0": parse_engine(p.text())}, **scrape(d0=d)}, "p50")
+    assert w.ttft is not None and 2.5 < w.ttft <= 5.0
+    quiet = window(before, {"prefill": {"p0": parse_engine(Engine().text())}, **scrape(d0=d)}, "p50")
+    assert quiet.ttft is not None and quiet.ttft <= 0.06  # a restarted, idle prefill adds nothing

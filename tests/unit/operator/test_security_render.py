@@ -166,7 +166,9 @@ def test_network_policies_isolate_engines_and_expose_only_the_router(preset: str
     assert peers == {"from": [{"podSelector": same_cr}], "ports": [{"protocol": "TCP"}]}
     router_pods = {"matchLabels": {"kvferry.io/name": name, "kvferry.io/role": "router"}}
     http = [{"protocol": "TCP", "port": "http"}]
-    assert via_router == {"from": [{"podSelector": router_pods}], "ports": http}
+    # the router also follows the engines' KV-cache events (prefix-aware routing, on by default)
+    events = [{"protocol": "TCP", "port": "kv-events"}, {"protocol": "TCP", "port": "kv-replay"}]
+    assert via_router == {"from": [{"podSelector": router_pods}], "ports": http + events}
     assert metrics == {"from": [security.operator_peer("kvferry-system")], "ports": http}
     assert router["spec"] == {
         "podSelector": router_pods,
