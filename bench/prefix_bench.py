@@ -15,7 +15,9 @@ think time. Prompts are token ids (the router's block keys are then exact).
 
 Modes: `single` (one vLLM on both cores, prefix caching), `vllm-pull` (upstream NixlConnector, prefix
 caching on both roles), `kvferry-off` (prefix caching on both roles; router: no prefix index, every
-request through P and D), `kvferry-on` (router: prefix index, selective disaggregation). All engines
+request through P and D), `kvferry-routed` (router: prefix index of what it routed, selective
+disaggregation), `kvferry-on` (the same, the index also following the engines' KV-cache events, as the
+operator deploys it: router/kvfeed.py). All engines
 run with prefix caching and the same block size. Computed prompt tokens are vLLM's
 `vllm:prompt_tokens_by_source_total{source="local_compute"}`; bytes are `kvferry_transfer_bytes_total`
 (producer) and `vllm:nixl_bytes_transferred_sum` (upstream), deltas over the measured requests.
@@ -44,7 +46,7 @@ from kvferry.tools import loadbench
 from kvferry.tools.pdstack import PdStack
 from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 
-MODES = ("single", "vllm-pull", "kvferry-off", "kvferry-on")
+MODES = ("single", "vllm-pull", "kvferry-off", "kvferry-routed", "kvferry-on")
 BLOCK = 64  # tokens per KV block on every engine (a multiple of 32 for vLLM-CPU)
 COMPUTED = ("vllm:prompt_tokens_by_source_total", {"source": "local_compute"})
 PROMPT = ("vllm:prompt_tokens_total", {})
@@ -168,12 +170,13 @@ def started(
         "block_tokens": BLOCK,
         "disaggregation": {"rule": "always"},
     }
-    if mode == "kvferry-on":
+    if mode in ("kvferry-routed", "kvferry-on"):
         selective = {"rule": "selective", "min_prefill_tokens": 128, "decode_hit_fraction": 0.75}
         routing = {"prefix_aware": True, "block_tokens": BLOCK, "disaggregation": selective}
     stack = PdStack(
         "vllm-pull" if mode == "vllm-pull" else "kvferry", model, workdir / mode,
         prefill_block_size=BLOCK, decode_block_size=BLOCK, router_extra={"routing": routing},
+        kv_events=mode == "kvferry-on",
     )  # fmt: skip
     stack.start()
     try:
@@ -251,7 +254,7 @@ def ratios(rows: list[Row]) -> str:
         on = by.get("kvferry-on")
         if on is None:
             continue
-        for other in ("vllm-pull", "kvferry-off"):
+        for other in ("vllm-pull", "kvferry-off", "kvferry-routed"):
             o = by.get(other)
             if o is None:
                 continue
