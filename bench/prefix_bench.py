@@ -258,6 +258,10 @@ def ratios(rows: list[Row]) -> str:
             o = by.get(other)
             if o is None:
                 continue
+            if o.failed or on.failed:  # a mode that failed requests did less work: no ratio says anything
+                out.append(f"- rate {rate:g}: kvferry-on / {other}: not compared ({other} failed {o.failed}, "
+                           f"kvferry-on {on.failed} of their requests)")  # fmt: skip
+                continue
             ratio = lambda a, b: f"{a / b:.2f}" if b else "n/a"  # noqa: E731
             out.append(
                 f"- rate {rate:g}: kvferry-on / {other}: "
