@@ -19,7 +19,9 @@ RESOURCES = {"requests": {"cpu": "8000m", "memory": "65536Mi"}, "limits": {"memo
 
 
 def _applies(port: int) -> int:
-    """PATCH requests the operator made (server-side applies and status patches)."""
+    """Server-side applies the operator made: PATCHes of what it renders. Not the CR's status, and not
+    the one-off label copy onto each engine pod (operator/network.py), which its metrics timer makes
+    whenever it first sees the pod bound: on a loaded host that can fall inside the flips."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return sum(
         int(float(line.rsplit(" ", 1)[1]))
@@ -27,6 +29,7 @@ def _applies(port: int) -> int:
         if line.startswith("kvferry_operator_api_requests_total{")
         and 'verb="PATCH"' in line
         and "DisaggregatedInference" not in line
+        and 'kind="Pod"' not in line
     )
 
 
