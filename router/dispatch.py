@@ -234,7 +234,9 @@ class Dispatcher:
                 raise exc.as_api_error() from None
             if _costs_capacity(exc) and not self.budget.withdraw():
                 raise self._budget_spent(exc) from None
-            return await self._recompute(req, self._target(exc, prefill, decode), rid, exc, deadline)
+            target = self._target(exc, prefill, decode)
+            fallback = decode if target is prefill else prefill
+            return await self._recompute(req, target, rid, exc, deadline, fallback)
 
     def _target(self, exc: LegError, prefill: Endpoint, decode: Endpoint) -> Endpoint:
         """The other engine of the pair, unless it is down while the failed one answered (an error
@@ -389,8 +391,17 @@ class Dispatcher:
         return await self._recompute(req, target, rid, cause, deadline)
 
     async def _recompute(
-        self, req: legs.ClientRequest, target: Endpoint, rid: str, cause: LegError, deadline: float
+        self,
+        req: legs.ClientRequest,
+        target: Endpoint,
+        rid: str,
+        cause: LegError,
+        deadline: float,
+        fallback: Endpoint | None = None,
     ) -> OpenLeg:
+        """Recompute on `target`; if it cannot be reached at all (its process died since the pair was
+        chosen), on `fallback`, the pair's other engine, once: it failed this request's leg, but may
+        well serve a plain one (an engine stuck waiting for KV from a dead peer still runs)."""
         reason = f"{cause.leg}_{cause.reason}"
         log.warning("request %s: recomputing on %s after %s", rid, target.engine_id, reason)
         self.metrics.recomputes.labels(reason).inc()
@@ -398,7 +409,12 @@ class Dispatcher:
             leg = await self._decode(req, target, None, f"{rid}-r1", deadline)
         except LegError as exc:
             msg = f"{cause.message}; recompute on {target.engine_id} failed too: {exc.message}"
-            raise ApiError(exc.status, msg, code=f"{cause.leg}_{cause.reason}") from None
+            left = deadline - asyncio.get_running_loop().time()
+            if exc.reason != "unreachable" or fallback is None or fallback is target or left <= 1.0:
+                raise ApiError(exc.status, msg, code=f"{cause.leg}_{cause.reason}") from None
+            return await self._recompute(
+                req, fallback, f"{rid}-r1", LegError(exc.leg, exc.reason, msg), deadline
+            )
         leg.recomputed = reason
         return leg
 

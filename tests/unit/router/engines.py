@@ -32,7 +32,9 @@ class FakeEngine:
     0.5 s or <s> s); error_event (a P/D leg gets status 200 and an SSE error event before any token,
     as vLLM does when the KV load fails; plain requests are served); breaks (a streamed P/D leg sends
     one token, then the connection drops, as when the engine is killed mid-answer); after_prefill (a
-    P/D leg answers only once `peer` has finished the same request id, as a push D waits for its KV).
+    P/D leg answers only once `peer` has finished the same request id, as a push D waits for its KV);
+    orphaned (a P/D leg stops `peer`'s server, as a prefill process that died, and never answers, as
+    a D waiting for KV from it; plain requests are served).
     """
 
     def __init__(self, name: str, mode: str = "ok") -> None:
@@ -51,7 +53,11 @@ class FakeEngine:
         rid = request.headers.get("X-Request-Id", "")
         self.seen.append({"rid": rid, "body": body, "t": time.monotonic()})
         pd_leg = "kv_transfer_params" in body
-        if self.mode == "stall":
+        if self.mode == "stall" or (self.mode == "orphaned" and pd_leg):
+            if self.mode == "orphaned" and self.peer is not None:
+                while rid not in self.peer.finished:  # prefill answered its leg, then died
+                    await asyncio.sleep(0.01)
+                await self.peer.server.close()
             await asyncio.sleep(3600)
         if self.mode.startswith("slow"):
             await asyncio.sleep(float(self.mode.partition(":")[2] or 0.5))

@@ -65,3 +65,19 @@ def test_non_streaming_decode_answer_is_bounded_by_the_total_deadline_only() -> 
         assert (await resp.json())["choices"][0]["text"] == "from decode-0"
 
     run("vllm-push", "ok", "slow:1.5", check)
+
+
+def test_a_recompute_whose_target_died_falls_back_to_the_other_engine() -> None:
+    """Decode waits for KV from a prefill that died after its leg: decode's first-token bound fails the
+    leg, the recompute's target (prefill) refuses the connection, and decode, still running, serves
+    the plain recompute instead of the client getting a 502 (seen with upstream push in CI)."""
+
+    async def check(client: TestClient, p: FakeEngine, d: FakeEngine) -> None:
+        resp = await client.post("/v1/completions", json={**BODY, "stream": True})
+        raw = await resp.text()
+        assert resp.status == 200, raw
+        assert stream_text(raw) == "from decode-0"
+        assert "kv_transfer_params" not in d.seen[-1]["body"], "the fallback is a plain request on D"
+        assert len(d.seen) == 2  # its P/D leg, then the recompute
+
+    run("vllm-push", "ok", "orphaned", check)
