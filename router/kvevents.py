@@ -166,4 +166,4 @@ class EngineBlocks:
 
 
 def _has_extra(extra: Sequence[Any] | None) -> bool:
-    return bool(extra) and any(e for e in extra or ())
+    return any(extra or ())  # one entry per block, None where the block has no extra keys

@@ -100,12 +100,7 @@ class PrefixIndex:
     def record(self, engine: str, keys: Sequence[bytes]) -> None:
         """The engine was sent a prompt with these keys: they are now its most recently used, the first
         block most of all (a shared prefix outlives the tails; vLLM also evicts tail blocks first)."""
-        lru = self.held.setdefault(engine, OrderedDict())
-        for key in reversed(keys):
-            lru[key] = None
-            lru.move_to_end(key)
-        while len(lru) > self.max_blocks:
-            lru.popitem(last=False)
+        self._touch(engine, reversed(keys))
 
     def match(self, engine: str, keys: Sequence[bytes]) -> int:
         """How many leading blocks of the prompt the engine holds (a chain stops at its first miss)."""
@@ -121,6 +116,11 @@ class PrefixIndex:
 
     def stored(self, engine: str, keys: Sequence[bytes]) -> None:
         """The engine's KV events say it cached these blocks (router/kvevents.py): most recent now."""
+        self._touch(engine, keys)
+
+    def _touch(self, engine: str, keys: Iterable[bytes]) -> None:
+        """Mark `keys` held by the engine, the last one most recently used; drop the least recent
+        beyond max_blocks."""
         lru = self.held.setdefault(engine, OrderedDict())
         for key in keys:
             lru[key] = None
@@ -130,9 +130,9 @@ class PrefixIndex:
 
     def removed(self, engine: str, keys: Sequence[bytes]) -> None:
         """The engine's KV events say it evicted these blocks: it no longer holds them."""
-        lru = self.held.get(engine)
-        for key in keys if lru is not None else ():
-            lru.pop(key, None)  # type: ignore[union-attr]
+        lru = self.held.get(engine, OrderedDict())
+        for key in keys:
+            lru.pop(key, None)
 
     def cleared(self, engine: str) -> None:
         """The engine's cache was reset (or the engine restarted): it holds nothing."""
