@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from kvferry.local.nodeagent import alloc, cgroups, image, status
+from kvferry.local.nodeagent import alloc, cgroups, image, reaper, status
 from kvferry.local.nodeagent.kube import Kube, KubeError
 from kvferry.local.nodeagent.netns import NodeNetwork
 from kvferry.local.nodeagent.pod import PodWorker
@@ -75,6 +75,7 @@ class NodeAgent:
             raise KubeError(
                 f"node {self.node!r} must exist before its agent starts: {exc}", exc.status
             ) from exc
+        reaper.reap()  # a killed agent's namespace would capture this subnet's routes
         self.network.setup(self.host_ip)
         self.limits = cgroups.CpuLimits(f"{self.node}-{os.getpid()}")
         if not self.limits.available:

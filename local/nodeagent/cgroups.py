@@ -166,7 +166,7 @@ class CpuLimits:
         for child in pod_dir.iterdir():
             if child.is_dir():
                 ContainerCgroup(child, 0).remove()
-        _rmdir(pod_dir)
+        remove_dir(pod_dir)
 
     def close(self) -> None:
         if self.hierarchy is None or not self.base.is_dir():
@@ -174,7 +174,7 @@ class CpuLimits:
         for child in self.base.iterdir():
             if child.is_dir() and child.name.startswith("pod"):
                 self.remove_pod(child.name[3:])
-        _rmdir(self.base)
+        remove_dir(self.base)
         with contextlib.suppress(OSError):
             self.base.parent.rmdir()  # kvferry/: only when no other agent uses it
 
@@ -203,10 +203,10 @@ class ContainerCgroup:
         for pid in self.pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        _rmdir(self.path)
+        remove_dir(self.path)
 
 
-def _rmdir(path: Path) -> None:
+def remove_dir(path: Path) -> None:
     # A killed process leaves its cgroup a moment after the signal: retry EBUSY for a short while.
     deadline = time.monotonic() + _RMDIR_WAIT_S
     while True:
