@@ -53,6 +53,7 @@ STEPS: dict[str, dict[str, Any]] = {
     "prefill": {"prompt": 600, "output": 8, "base": 0.0, "step": 0.0},  # 0: from the calibration
     "decode": {"prompt": 32, "output": 256, "base": 1.0, "step": 6.0},
 }
+SETTLE_S = 240.0  # between the phases: the planner's window and scale-down stabilisation expire
 ENGINE_ENV = [
     {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"},
     {"name": "OMP_NUM_THREADS", "value": "1"},
@@ -203,6 +204,34 @@ def summary(name: str, ph: dict[str, Any], args: argparse.Namespace) -> dict[str
     }
 
 
+async def settle(stack: Stack, url: str, args: argparse.Namespace) -> None:
+    """Base load until the planner wants one pod per role again. Without it the phase with the
+    planner acting starts from the window of the phase before (its backlog's TTFT) and scales out
+    before its own step begins."""
+    step = STEPS[args.step]
+    shape = Shape(args.prompt or step["prompt"], step["output"])
+    base = args.base_rate or step["base"]
+    load = OpenLoop(url, "tiny", lambda t: shape, lambda t: base, seed=3)
+    task = asyncio.create_task(load.run())
+
+    def one_each() -> bool:
+        auto = (stack.get_cr(NS, NAME).get("status") or {}).get("autoscaling") or {}
+        return all((auto.get(role) or {}).get("desired") == 1 for role in ("prefill", "decode"))
+
+    t0 = time.monotonic()
+    try:
+        while not one_each():
+            if time.monotonic() - t0 > SETTLE_S:
+                raise RuntimeError(
+                    f"the planner still wants more than one pod {SETTLE_S:.0f} s after the step"
+                )
+            await asyncio.sleep(2.0)
+    finally:
+        load.stop()
+        await task
+    print(f"planner settled at one pod per role after {time.monotonic() - t0:.0f} s of base load", flush=True)
+
+
 async def calibrate(url: str, args: argparse.Namespace) -> float:
     """TTFT p50 of the step's prompts sent one every 3 s: one prefill pod's service time, unloaded."""
     shape = Shape(args.prompt or STEPS["prefill"]["prompt"], STEPS["prefill"]["output"])
@@ -259,6 +288,7 @@ async def main_async(args: argparse.Namespace) -> int:
         # Without the planner the step's backlog is served before the next phase starts (the load's
         # end waits for every request); with it, the tail at the base rate shows the scale-in.
         results["off"] = await run_phase("off", stack, url, args, 0.0)
+        await settle(stack, url, args)
         # Two cores hold three vLLM servers: with the planner acting, only the stepped role may grow.
         # Which role it picks is in phase off's status (both roles may grow there; nothing moves).
         other = "decode" if args.step == "prefill" else "prefill"

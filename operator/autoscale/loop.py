@@ -48,6 +48,7 @@ Event = tuple[str, ScaleEvent, str]  # (Normal|Warning, reason, message)
 class Memory:
     history: History = field(default_factory=History)
     scrape: Scrape = field(default_factory=dict)
+    scraped_at: float = 0.0  # monotonic time of `scrape`
 
 
 def read_engines(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, fetch: Fetch) -> Scrape:
@@ -136,13 +137,15 @@ class Autoscaler:
         current = {r: int(s["spec"].get("replicas", 1)) for r, s in sets.items() if s}
         ready = {r: int(s.get("status", {}).get("readyReplicas", 0)) for r, s in sets.items() if s}
         scrape = read_engines(kube, cr, cfg, fetch)
+        at = time.monotonic() if now is None else now
         key = meta.get("uid", f"{ns}/{name}")
         with self._lock:
             memory = self._memory.setdefault(key, Memory())
-        w = window(memory.scrape, scrape, spec.percentile)
+        elapsed = at - memory.scraped_at if memory.scrape else 0.0
+        w = window(memory.scrape, scrape, spec.percentile, elapsed)
         log.debug("autoscale %s/%s: %s", ns, name, w)
-        result = plan(spec, w, current, ready, memory.history, time.monotonic() if now is None else now)
-        memory.scrape, memory.history = scrape, result.history
+        result = plan(spec, w, current, ready, memory.history, at)
+        memory.scrape, memory.history, memory.scraped_at = scrape, result.history, at
         events = self._write(kube, cr, spec, result, sets)
         stamp = now_iso()
         write_status(

@@ -8,6 +8,9 @@ Prefill is scaled to the TTFT target, decode to the ITL target, each like the HP
   `scaleDownBelow` x target with no queue (or the role is idle), and only when every evaluation
   over the stabilisation window recommended shrinking the role (the HPA's scale-down rule, in
   steps). After a restart the window must fill before anything shrinks.
+- Low latency alone does not show headroom: two prefill pods at 65 % busy answer fast, and one would
+  be overloaded (the load step of bench/autoscale_bench.py flapped so). Prefill shrinks only when its
+  measured load fits on one pod fewer: busy x N / (N - 1) below SCALE_IN_BUSY.
 - A role whose pods are not all ready holds: new pods loading a model do not lower latency yet, and
   scaling again on the same symptom would run to maxReplicas.
 - Shrinking both at once, prefill goes first and decode waits (docs/scaling-and-drain.md: a prefill
@@ -28,6 +31,7 @@ from kvferry.operator.status.transfer import human
 TOLERANCE = 0.1  # as the HPA's default: within 10 % of the target nothing moves
 MAX_STEP = 2.0  # at most double a role per decision
 KV_FULL = 0.9  # decode KV cache usage above which waiting requests mean decode is out of room
+SCALE_IN_BUSY = 0.7  # prefill shrinks only if one pod fewer would be at most this busy
 ROLES = ("prefill", "decode")
 
 
@@ -105,10 +109,22 @@ def raw(role: str, spec: Autoscaling, w: Window, current: int) -> tuple[int, str
     if observed is None and waiting > 0 and w.requests == 0:
         return current + 1, f"{waiting:.0f} requests waiting on {role}, none finished in the window"
     if observed is not None and observed < target * spec.scale_down_below and waiting == 0:
+        if mine and (after := _busy_after_scale_in(w, current)) is not None and after > SCALE_IN_BUSY:
+            return current, (
+                f"{says}: below {spec.scale_down_below:.0%} of target, but prefill is {w.prefill_busy:.0%} "
+                f"busy: {after:.0%} on {current - 1}"
+            )
         return current - 1, f"{says}: below {spec.scale_down_below:.0%} of target"
     if observed is None and waiting == 0 and running == 0 and w.requests == 0:
         return current - 1, f"{role} idle"
     return current, says
+
+
+def _busy_after_scale_in(w: Window, current: int) -> float | None:
+    """How busy prefill's pods would be with one fewer: None when unknown or nothing to shrink."""
+    if w.prefill_busy is None or current <= 1:
+        return None
+    return w.prefill_busy * current / (current - 1)
 
 
 def _bounded(role: str, spec: Autoscaling, desired: int, reason: str) -> tuple[int, str]:

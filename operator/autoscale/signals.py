@@ -10,7 +10,9 @@ on both roles and the larger percentile counts: decode's first token includes it
 from when decode's leg opened, and the router opens it when prefill is about to start the request
 (router `push.decode_start: before-prefill`), so a request's time in prefill's queue shows only in
 prefill's own TTFT (its one-token leg, sent on arrival). Each is a lower bound of what clients see.
-Queues and KV usage per role.
+Queues and KV usage per role. Prefill's busy fraction (vLLM's prefill-time histogram sum added over the
+window, per second of the window, per pod): TTFT says nothing about how much headroom a scale-in
+leaves, so the planner needs the load too.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ WAITING = "vllm:num_requests_waiting"
 WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 RUNNING = "vllm:num_requests_running"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+# Seconds each request spent in its prefill phase. On a prefill engine (one-token legs) the added sum
+# over a window, per second, is how busy it was (requests prefilled in the same step each count the
+# step: an overestimate, which only makes a scale-in more cautious).
+PREFILL_TIME = "vllm:request_prefill_time_seconds"
 QUANTILES = {"p50": 0.5, "p90": 0.9}
 # Fewer finished requests than this in a window say nothing about a percentile: the planner holds.
 MIN_REQUESTS = 3
@@ -45,6 +51,7 @@ class EngineSample:
     waiting: float = 0.0
     running: float = 0.0
     kv_usage: float = 0.0
+    prefill_s: float | None = None  # cumulative PREFILL_TIME sum; None: the engine does not export it
 
 
 def _add(buckets: Buckets, le: str, value: float) -> None:
@@ -58,6 +65,7 @@ def parse_engine(text: str) -> EngineSample:
     itl: Buckets = {}
     gauges = {WAITING: 0.0, RUNNING: 0.0, KV_USAGE: 0.0}
     capacity: float | None = None  # waiting for scheduling capacity, where the engine says so
+    prefill_s: float | None = None
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == WAITING_BY_REASON:
@@ -67,12 +75,14 @@ def parse_engine(text: str) -> EngineSample:
                 _add(ttft, s.labels["le"], s.value)
             elif s.name == ITL + "_bucket":
                 _add(itl, s.labels["le"], s.value)
+            elif s.name == PREFILL_TIME + "_sum":
+                prefill_s = (prefill_s or 0.0) + s.value
             elif s.name == KV_USAGE:
                 gauges[KV_USAGE] = max(gauges[KV_USAGE], s.value)  # engines report it per engine index
             elif s.name in gauges:
                 gauges[s.name] += s.value
     waiting = gauges[WAITING] if capacity is None else capacity
-    return EngineSample(ttft, itl, waiting, gauges[RUNNING], gauges[KV_USAGE])
+    return EngineSample(ttft, itl, waiting, gauges[RUNNING], gauges[KV_USAGE], prefill_s)
 
 
 def increase(now: Buckets, before: Buckets | None) -> Buckets:
@@ -112,13 +122,32 @@ class Window:
     prefill_sources: int = 0  # engines that answered
     decode_sources: int = 0
     compared: int = 0  # decode engines seen in both scrapes: 0 = no window yet, latency unknown
+    prefill_busy: float | None = None  # mean busy fraction of the prefill engines; None: unknown
 
 
 Scrape = Mapping[str, Mapping[str, EngineSample]]  # role -> source (pod) -> sample
 
 
-def window(before: Scrape, now: Scrape, percentile: str) -> Window:
-    """The planner's view between two scrapes; `before` empty (first scrape) gives queues only."""
+def busy(
+    before: Mapping[str, EngineSample], now: Mapping[str, EngineSample], elapsed_s: float
+) -> float | None:
+    """Mean busy fraction of the engines seen in both scrapes that export their prefill time; a
+    restarted engine (its sum went down) counts from zero. None when no engine can say."""
+    if elapsed_s <= 0:
+        return None
+    parts = []
+    for source, sample in now.items():
+        old = before.get(source)
+        if sample.prefill_s is None or old is None or old.prefill_s is None:
+            continue
+        added = sample.prefill_s - old.prefill_s
+        parts.append((sample.prefill_s if added < 0 else added) / elapsed_s)
+    return sum(parts) / len(parts) if parts else None
+
+
+def window(before: Scrape, now: Scrape, percentile: str, elapsed_s: float = 0.0) -> Window:
+    """The planner's view between two scrapes `elapsed_s` apart; `before` empty (first scrape) gives
+    queues only."""
     q = QUANTILES[percentile]
     prefill, decode = now.get("prefill", {}), now.get("decode", {})
     old, old_prefill = before.get("decode", {}), before.get("prefill", {})
@@ -142,4 +171,5 @@ def window(before: Scrape, now: Scrape, percentile: str) -> Window:
         prefill_sources=len(prefill),
         decode_sources=len(decode),
         compared=sum(1 for p in decode if p in old),
+        prefill_busy=busy(old_prefill, prefill, elapsed_s),
     )

@@ -4,6 +4,8 @@ Each role is an M/M/1-like server per pod: latency = base / (1 - utilisation) be
 above it the queue grows and latency is far over any target. Prefill's load is prompt tokens per
 second, decode's is output tokens per second (concurrent sequences). New pods become ready after
 `ready_after` evaluations, as pods loading a model do. Noise multiplies each latency reading.
+Prefill's busy fraction is its utilisation per ready pod (at most 1), as vLLM's prefill-time sum shows it
+(`export_busy=False`: an engine that does not export it).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Service:
     ready_after: int = 2  # evaluations a new pod needs before it serves
     noise: float = 0.0
     interval: float = 15.0
+    export_busy: bool = True
     replicas: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
     starting: dict[str, list[int]] = field(default_factory=lambda: {"prefill": [], "decode": []})
     history: History = field(default_factory=History)
@@ -62,6 +65,8 @@ class Service:
         )
         requests = int(load.rate * self.interval)
         busy = requests > 0
+        prefill_capacity = ready["prefill"] * self.prefill_tokens_per_s
+        utilisation = load.rate * load.prompt_tokens / prefill_capacity if prefill_capacity else 1.0
         return Window(
             ttft=ttft if requests >= 3 else None,
             itl=itl if requests >= 3 else None,
@@ -72,6 +77,7 @@ class Service:
             prefill_running=float(busy),
             decode_running=float(busy),
             compared=ready["decode"],
+            prefill_busy=min(utilisation, 1.0) if self.export_busy else None,
         )
 
     def step(self, load: Load) -> Plan:

@@ -66,6 +66,23 @@ def test_step_down_shrinks_one_pod_at_a_time_after_the_window() -> None:
     assert svc.replicas == {"prefill": 1, "decode": 1}
 
 
+def test_fast_but_busy_prefill_pods_are_not_shrunk_into_overload() -> None:
+    """1.3x one pod's prompt load: two pods answer fast (TTFT 0.57 s, under 60 % of the target), one
+    is saturated. Latency alone shrank to one pod and grew back, over and over (the local load step of
+    bench/autoscale_bench.py did); the measured load holds two, and a lighter load still shrinks."""
+    step = Load(rate=2.6, prompt_tokens=2000, output_tokens=8)  # 5.2k prompt tok/s over 4k per pod
+    for export_busy, flaps in ((False, True), (True, False)):
+        svc = Service(spec(ttft_seconds=2.0, scale_down_stabilization_seconds=30), export_busy=export_busy)
+        plans = svc.run(step, 40)
+        sizes = [p.prefill.desired for p in plans]
+        assert sizes[0] == 2
+        assert (1 in sizes[1:]) == flaps, sizes
+    held = svc.log[-1][1].prefill
+    assert held.action == "hold" and "65% busy: 130% on 1" in held.reason
+    plans = svc.run(FEW_LONG_PROMPTS, 20)  # 2k tok/s: 25 % busy each, 50 % on one pod
+    assert svc.replicas["prefill"] == 1
+
+
 def test_prefill_shrinks_before_decode() -> None:
     svc = Service(spec(scale_down_stabilization_seconds=0))
     svc.replicas = {"prefill": 3, "decode": 3}

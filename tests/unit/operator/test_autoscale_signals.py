@@ -137,3 +137,28 @@ def test_time_in_prefill_s_queue_counts_where_decode_does_not_see_it() -> None:
     assert w.ttft is not None and 2.5 < w.ttft <= 5.0
     quiet = window(before, {"prefill": {"p0": parse_engine(Engine().text())}, **scrape(d0=d)}, "p50")
     assert quiet.ttft is not None and quiet.ttft <= 0.06  # a restarted, idle prefill adds nothing
+
+
+def test_prefill_busy_is_its_prefill_time_per_second_of_the_window() -> None:
+    def engine(prefill_s: float) -> str:
+        return (
+            "# TYPE vllm:request_prefill_time_seconds histogram\n"
+            f'vllm:request_prefill_time_seconds_bucket{{le="+Inf",engine="0"}} 10\n'
+            f'vllm:request_prefill_time_seconds_count{{engine="0"}} 10\n'
+            f'vllm:request_prefill_time_seconds_sum{{engine="0"}} {prefill_s}\n'
+        )
+
+    before = {"prefill": {"a": parse_engine(engine(4.0)), "b": parse_engine(engine(100.0))}}
+    # a: 6 s of prefill in 15 s; b restarted (its sum went down): 3 s since its start
+    now = {
+        "prefill": {
+            "a": parse_engine(engine(10.0)),
+            "b": parse_engine(engine(3.0)),
+            "c": parse_engine(engine(9.0)),
+        }
+    }
+    w = window(before, now, "p50", elapsed_s=15.0)
+    assert w.prefill_busy == pytest.approx((6 / 15 + 3 / 15) / 2)  # c: first seen, baseline only
+    assert window(before, now, "p50").prefill_busy is None  # no elapsed time: unknown
+    no_export = {"prefill": {"a": parse_engine("vllm:num_requests_running 1\n")}}
+    assert window(no_export, no_export, "p50", elapsed_s=15.0).prefill_busy is None
