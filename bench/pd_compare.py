@@ -159,13 +159,14 @@ def _stop(mode: str, stack: PdStack) -> None:
 
 
 def router_stats(url: str) -> dict[str, float]:
-    """What the router had to do to get these numbers: recomputes and failed legs by reason, and the
-    requests it shed (429)."""
+    """What the router had to do to get these numbers: recomputes and failed legs by reason, the
+    requests it shed (429), and the streams whose first token came from prefill (`kvferry-early`)."""
     metrics = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
     return {
         k: v
         for k, v in metrics.items()
         if (k.startswith(("kvferry_router_recomputes_total", "kvferry_router_leg_errors_total")) and v)
+        or (k.startswith("kvferry_router_first_token_from_prefill_total") and v)
         or (k.startswith("kvferry_router_requests_total") and 'outcome="overloaded"' in k and v)
     }
 
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in modes
         if m not in SINGLE_CORES
     )
-    summary += "\nRouter recoveries during the sweep (kvferry_router_* counters):\n\n" + stats + "\n"
+    summary += "\nRouter counters during the sweep (recoveries, shed, early first tokens):\n\n" + stats + "\n"
     if RESTARTS:
         restarts = "\n".join(f"- {m}: after {', '.join(cells)}" for m, cells in RESTARTS.items())
         summary += "\nStacks started again after a cell with failed requests:\n\n" + restarts + "\n"
