@@ -75,7 +75,8 @@ def bench_cr(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     # decode's deadline above that, so the comparison shows latency, not recomputes.
     spec["kvTransfer"] = {"leaseSeconds": 150, "deadlineSeconds": 150}
     spec["autoscaling"] = {
-        "ttftSeconds": args.ttft, "itlSeconds": args.itl, "percentile": "p50",
+        # itlSeconds 0: set once calibrated (calibrate_decode)
+        "ttftSeconds": args.ttft, "itlSeconds": args.itl or 1.0, "percentile": "p50",
         "prefill": {"minReplicas": 1, "maxReplicas": 2}, "decode": {"minReplicas": 1, "maxReplicas": 2},
         "scaleDownStabilizationSeconds": args.stabilization, "scaleDownBelow": 0.6, "output": "metrics",
     }  # fmt: skip
@@ -105,6 +106,8 @@ class Sampler(threading.Thread):
                 "D_desired": (status.get("decode") or {}).get("desired"),
                 "ttft_seen": status.get("ttftSeconds"), "itl_seen": status.get("itlSeconds"),
                 "decision": status.get("lastDecision", ""),
+                "P_reason": (status.get("prefill") or {}).get("reason", ""),
+                "D_reason": (status.get("decode") or {}).get("reason", ""),
             })  # fmt: skip
 
 
@@ -246,6 +249,34 @@ async def calibrate(url: str, args: argparse.Namespace) -> float:
     return ttft
 
 
+async def itl_at(url: str, rate: float, seconds: float) -> float:
+    """ITL p50 of the decode step's requests (short prompts, long outputs) at `rate` on the stack as it is."""
+    shape = Shape(STEPS["decode"]["prompt"], STEPS["decode"]["output"])
+    load = OpenLoop(url, "tiny", lambda t: shape, lambda t: rate, seed=5)
+    task = asyncio.create_task(load.run())
+    await asyncio.sleep(seconds)
+    load.stop()
+    await task
+    itl = pct([s.itl for s in load.samples if s.itl is not None and not s.error], 0.5)
+    if itl is None:
+        raise RuntimeError(f"calibration: no request succeeded: {[s.error for s in load.samples][:3]}")
+    return itl
+
+
+async def calibrate_decode(url: str, args: argparse.Namespace) -> None:
+    """The ITL target between what one decode pod shows at the step rate and at half of it (what each of
+    two pods would see), so that one pod misses it and two meet it; refuses a host where they are too
+    close to tell apart."""
+    one = await itl_at(url, args.step_rate, 40)
+    two = await itl_at(url, args.step_rate / 2, 40)
+    ms = lambda v: f"{v * 1000:.1f} ms"  # noqa: E731
+    print(f"one decode pod: ITL p50 {ms(one)} at {args.step_rate} req/s, {ms(two)} at half", flush=True)
+    if one < two * 1.25:
+        raise RuntimeError(f"ITL at {args.step_rate} req/s ({ms(one)}) is within 25% of half the rate's "
+                           f"({ms(two)}): raise --step-rate")  # fmt: skip
+    args.itl = round((one * two) ** 0.5, 4)
+
+
 async def main_async(args: argparse.Namespace) -> int:
     # SIGTERM (a timeout) cancels the run, so the stack is stopped: pods, operator, plane.
     main_task = asyncio.current_task()
@@ -285,6 +316,13 @@ async def main_async(args: argparse.Namespace) -> int:
             args.step_rate = args.step_rate or round(args.step_factor / calibration, 2)
             print(f"one prefill pod: TTFT p50 {calibration:.2f} s at a low rate; base {args.base_rate} "
                   f"req/s, step {args.step_rate} req/s", flush=True)  # fmt: skip
+        if args.step == "decode" and args.itl <= 0:
+            args.base_rate = args.base_rate or STEPS["decode"]["base"]
+            args.step_rate = args.step_rate or STEPS["decode"]["step"]
+            await calibrate_decode(url, args)
+            print(f"ITL target {args.itl * 1000:.1f} ms", flush=True)
+            cr["spec"]["autoscaling"]["itlSeconds"] = args.itl
+            stack.apply(cr)
         # Without the planner the step's backlog is served before the next phase starts (the load's
         # end waits for every request); with it, the tail at the base rate shows the scale-in.
         results["off"] = await run_phase("off", stack, url, args, 0.0)
@@ -322,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", choices=sorted(STEPS), required=True)
     p.add_argument("--layers", type=int, default=12, help="tiny Llama depth (compute per token)")
     p.add_argument("--ttft", type=float, default=2.0, help="TTFT p50 target, seconds")
-    p.add_argument("--itl", type=float, default=0.1, help="ITL p50 target, seconds")
+    p.add_argument(
+        "--itl", type=float, default=0.1, help="ITL p50 target, seconds; 0 (decode step): calibrated"
+    )
     p.add_argument("--stabilization", type=int, default=20, help="scaleDownStabilizationSeconds")
     p.add_argument("--prompt", type=int, default=0, help="prompt tokens (default: the step's)")
     p.add_argument("--base-rate", type=float, default=0.0, help="req/s (default: the step's)")
