@@ -3,7 +3,8 @@
 Prefill is scaled to the TTFT target, decode to the ITL target, each like the HPA's rule
 `desired = ceil(current * observed / target)` outside a 10 % tolerance, at most doubling per decision:
 - Blame: a TTFT over target with requests queued on decode and none on prefill is decode's (a full
-  decode cannot admit the first token), so decode grows and prefill holds.
+  decode cannot admit the first token), so decode grows and prefill holds. Prefill also holds when its
+  own TTFT percentile is within target: the clients' wait was elsewhere.
 - Scale-up is immediate; scale-down is one pod per evaluation, only while latency sits below
   `scaleDownBelow` x target with no queue (or the role is idle), and only when every evaluation
   over the stabilisation window recommended shrinking the role (the HPA's scale-down rule, in
@@ -95,6 +96,10 @@ def raw(role: str, spec: Autoscaling, w: Window, current: int) -> tuple[int, str
     decode_blocked = ttft_over and w.decode_waiting > 0 and w.prefill_waiting == 0
     if mine and decode_blocked:
         return current, f"{_latency(role, w.ttft, target, spec.percentile)} but queued on decode, not prefill"
+    if mine and ttft_over and w.prefill_ttft is not None and w.prefill_ttft <= target * (1 + TOLERANCE):
+        # Clients waited, but not on prefill: its own first tokens came in time (e.g. decode's backlog
+        # draining after a decode step; growing prefill would not help).
+        return current, f"{says} but prefill's own TTFT is {human(w.prefill_ttft)}: not prefill's"
     if not mine and decode_blocked:
         return _grow(current, w.ttft or 0.0, spec.ttft_seconds), (
             f"{_latency('prefill', w.ttft, spec.ttft_seconds, spec.percentile)} with "

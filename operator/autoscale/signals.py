@@ -123,6 +123,7 @@ class Window:
     decode_sources: int = 0
     compared: int = 0  # decode engines seen in both scrapes: 0 = no window yet, latency unknown
     prefill_busy: float | None = None  # mean busy fraction of the prefill engines; None: unknown
+    prefill_ttft: float | None = None  # prefill's own percentile (its queue and compute); None: too few
 
 
 Scrape = Mapping[str, Mapping[str, EngineSample]]  # role -> source (pod) -> sample
@@ -158,6 +159,7 @@ def window(before: Scrape, now: Scrape, percentile: str, elapsed_s: float = 0.0)
     )
     requests, tokens = _count(ttft), _count(itl)
     seen = [v for b in (ttft, queued) if _count(b) >= MIN_REQUESTS and (v := quantile(b, q)) is not None]
+    own = quantile(queued, q) if _count(queued) >= MIN_REQUESTS else None
     return Window(
         ttft=max(seen) if requests >= MIN_REQUESTS and seen else None,
         itl=quantile(itl, q) if tokens >= MIN_REQUESTS else None,
@@ -172,4 +174,5 @@ def window(before: Scrape, now: Scrape, percentile: str, elapsed_s: float = 0.0)
         decode_sources=len(decode),
         compared=sum(1 for p in decode if p in old),
         prefill_busy=busy(old_prefill, prefill, elapsed_s),
+        prefill_ttft=own,
     )

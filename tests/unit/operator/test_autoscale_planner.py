@@ -211,3 +211,16 @@ def test_decisions_stay_within_bounds_and_ratio(
     assert lo is None or pd >= lo * dd - 1e-9
     assert hi is None or pd <= hi * dd + 1e-9
     assert result.prefill.reason and result.decode.reason
+
+
+def test_ttft_over_target_while_prefill_s_own_is_fast_is_not_prefill_s() -> None:
+    """After a decode step, decode's backlog drains with no queue left anywhere: the window's TTFT is
+    still 60 s but prefill answered its legs in 0.3 s. Blaming prefill there (the local decode step did)
+    adds a pod that cannot help."""
+    w = Window(ttft=60.0, itl=0.17, requests=40, tokens=4000, compared=1, prefill_ttft=0.3)
+    pods = {"prefill": 1, "decode": 2}
+    p = plan(spec(ttft_seconds=2.0, itl_seconds=0.13), w, pods, pods, History(), 0.0)
+    assert p.prefill.action == "hold" and "not prefill's" in p.prefill.reason
+    slow = plan(spec(ttft_seconds=2.0), Window(ttft=60.0, requests=40, compared=1, prefill_ttft=55.0),
+                {"prefill": 1, "decode": 1}, {"prefill": 1, "decode": 1}, History(), 0.0)  # fmt: skip
+    assert slow.prefill.action == "up"  # its own queue: prefill's

@@ -135,6 +135,7 @@ def test_time_in_prefill_s_queue_counts_where_decode_does_not_see_it() -> None:
         p.ttft.observe(3.0)  # prefill: the requests waited in its queue
     w = window(before, {"prefill": {"p0": parse_engine(p.text())}, **scrape(d0=d)}, "p50")
     assert w.ttft is not None and 2.5 < w.ttft <= 5.0
+    assert w.prefill_ttft == w.ttft  # prefill's own percentile, kept apart for the blame
     quiet = window(before, {"prefill": {"p0": parse_engine(Engine().text())}, **scrape(d0=d)}, "p50")
     assert quiet.ttft is not None and quiet.ttft <= 0.06  # a restarted, idle prefill adds nothing
 
