@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kvferry.connector.plugins.cpu_isa import ENV_NO_AMX
+from kvferry.local.amxprobe import amx_kernel_runs
 from kvferry.local.tinymodel import ensure
 from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 
 from .pdclient import outputs, reference_gaps
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_off_a_broken_amx_kernel() -> None:
+    """Hosts whose advertised AMX cannot run vLLM's amx attention kernel (SIGILL) serve bf16 with its
+    vec kernel instead (connector/plugins/cpu_isa.py); every vLLM these tests start inherits it."""
+    if os.environ.get(ENV_NO_AMX) is None and not amx_kernel_runs():
+        os.environ[ENV_NO_AMX] = "1"
+        print(f"\nthis host cannot run vLLM's AMX attention kernel (SIGILL): {ENV_NO_AMX}=1 for the e2e tier")
 
 
 @pytest.fixture(scope="session")
