@@ -235,32 +235,30 @@ async def settle(stack: Stack, url: str, args: argparse.Namespace) -> None:
     print(f"planner settled at one pod per role after {time.monotonic() - t0:.0f} s of base load", flush=True)
 
 
-async def calibrate(url: str, args: argparse.Namespace) -> float:
-    """TTFT p50 of the step's prompts sent one every 3 s: one prefill pod's service time, unloaded."""
-    shape = Shape(args.prompt or STEPS["prefill"]["prompt"], STEPS["prefill"]["output"])
-    load = OpenLoop(url, "tiny", lambda t: shape, lambda t: 1 / 3, seed=3)
-    task = asyncio.create_task(load.run())
-    await asyncio.sleep(30)
-    load.stop()
-    await task
-    ttft = pct([s.ttft for s in load.samples if s.ttft is not None and not s.error], 0.5)
-    if ttft is None:
-        raise RuntimeError(f"calibration: no request succeeded: {[s.error for s in load.samples][:3]}")
-    return ttft
-
-
-async def itl_at(url: str, rate: float, seconds: float) -> float:
-    """ITL p50 of the decode step's requests (short prompts, long outputs) at `rate` on the stack as it is."""
-    shape = Shape(STEPS["decode"]["prompt"], STEPS["decode"]["output"])
-    load = OpenLoop(url, "tiny", lambda t: shape, lambda t: rate, seed=5)
+async def p50_at(url: str, shape: Shape, rate: float, seconds: float, field: str, seed: int) -> float:
+    """p50 of one sample field (`ttft` or `itl`) of `shape` requests sent at `rate` for `seconds`."""
+    load = OpenLoop(url, "tiny", lambda t: shape, lambda t: rate, seed=seed)
     task = asyncio.create_task(load.run())
     await asyncio.sleep(seconds)
     load.stop()
     await task
-    itl = pct([s.itl for s in load.samples if s.itl is not None and not s.error], 0.5)
-    if itl is None:
+    value = pct([v for s in load.samples if (v := getattr(s, field)) is not None and not s.error], 0.5)
+    if value is None:
         raise RuntimeError(f"calibration: no request succeeded: {[s.error for s in load.samples][:3]}")
-    return itl
+    return value
+
+
+async def calibrate(url: str, args: argparse.Namespace) -> float:
+    """TTFT p50 of the step's prompts sent one every 3 s: one prefill pod's service time, unloaded."""
+    shape = Shape(args.prompt or STEPS["prefill"]["prompt"], STEPS["prefill"]["output"])
+    return await p50_at(url, shape, 1 / 3, 30, "ttft", seed=3)
+
+
+async def itl_at(url: str, rate: float, seconds: float) -> float:
+    """ITL p50 of the decode step's requests (short prompts, long outputs) at `rate` on the stack as it is."""
+    return await p50_at(
+        url, Shape(STEPS["decode"]["prompt"], STEPS["decode"]["output"]), rate, seconds, "itl", 5
+    )
 
 
 async def calibrate_decode(url: str, args: argparse.Namespace) -> None:

@@ -15,6 +15,7 @@ import sys
 from importlib.metadata import packages_distributions, version
 from pathlib import Path
 
+from kvferry.connector.plugins.cpu_isa import ENV_NO_AMX
 from kvferry.local.tinymodel import SHAPES, default_cache_dir, ensure
 
 PROBE_TIMEOUT_S = 300.0
@@ -52,8 +53,13 @@ def amx_kernel_runs() -> bool:
         return bool(known[key])
     arch, shape = SHAPES["qwen3-h2kv2d64l3-bf16"]
     model = ensure(arch, shape)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "KVFERRY_CPU_NO_AMX": "0"}  # fmt: skip
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        ENV_NO_AMX: "0",
+    }  # fmt: skip: the kernel under test stays on
     cmd = [sys.executable, "-c", _CODE, str(model)]
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env={**os.environ, **env}

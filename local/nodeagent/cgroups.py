@@ -163,10 +163,7 @@ class CpuLimits:
         pod_dir = self.base / f"pod{pod_uid}" if self.hierarchy else None
         if pod_dir is None or not pod_dir.is_dir():
             return
-        for child in pod_dir.iterdir():
-            if child.is_dir():
-                ContainerCgroup(child, 0).remove()
-        remove_dir(pod_dir)
+        remove_pod_dir(pod_dir)
 
     def close(self) -> None:
         if self.hierarchy is None or not self.base.is_dir():
@@ -204,6 +201,14 @@ class ContainerCgroup:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         remove_dir(self.path)
+
+
+def remove_pod_dir(pod_dir: Path) -> None:
+    """A pod's cgroup: each container's (killing what is left in it), then the pod's own."""
+    for child in pod_dir.iterdir():
+        if child.is_dir():
+            ContainerCgroup(child, 0).remove()
+    remove_dir(pod_dir)
 
 
 def remove_dir(path: Path) -> None:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from kvferry.local.nodeagent.cgroups import ContainerCgroup, find_hierarchy, remove_dir
+from kvferry.local.nodeagent.cgroups import find_hierarchy, remove_dir, remove_pod_dir
 
 NETNS_PREFIX = "kvf-"
 IP_TIMEOUT_S = 10.0
@@ -103,9 +103,7 @@ def _reap_cgroups(mounts_file: str) -> list[Path]:
     for name in stale(child.name for child in base.iterdir() if child.is_dir()):
         agent_dir = base / name
         for pod_dir in (p for p in agent_dir.iterdir() if p.is_dir()):
-            for container in (c for c in pod_dir.iterdir() if c.is_dir()):
-                ContainerCgroup(container, 0).remove()  # kills what is left, then removes it
-            remove_dir(pod_dir)
+            remove_pod_dir(pod_dir)  # kills what is left in its containers, then removes them
         remove_dir(agent_dir)
         if not agent_dir.exists():
             removed.append(agent_dir)

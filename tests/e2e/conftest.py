@@ -21,7 +21,7 @@ def vllm_off_a_broken_amx_kernel() -> None:
     vec kernel instead (connector/plugins/cpu_isa.py); every vLLM these tests start inherits it."""
     if os.environ.get(ENV_NO_AMX) is None and not amx_kernel_runs():
         os.environ[ENV_NO_AMX] = "1"
-        print(f"\nthis host cannot run vLLM's AMX attention kernel (SIGILL): {ENV_NO_AMX}=1 for the e2e tier")
+        print(f"\nthis host cannot run vLLM's AMX attention kernel (SIGILL): {ENV_NO_AMX}=1 from here on")
 
 
 @pytest.fixture(scope="session")
