@@ -8,7 +8,6 @@ echo, tools) are not aggregated; they go to decode non-streaming, bounded by the
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
@@ -28,8 +27,9 @@ def _off(value: Any) -> bool:
 
 
 def streaming_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The body as a stream that ends with a usage chunk."""
-    out = copy.deepcopy(body)
+    """The body as a stream that ends with a usage chunk (a shallow copy: stream_options is replaced,
+    never changed in place)."""
+    out = dict(body)
     out["stream"] = True
     out["stream_options"] = {**(out.get("stream_options") or {}), "include_usage": True}
     return out

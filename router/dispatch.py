@@ -255,13 +255,14 @@ class Dispatcher:
         )
         return ApiError(503, msg, "recompute_budget_exhausted", headers={"Retry-After": RETRY_AFTER_S})
 
-    def _decode(
+    async def _decode(
         self, req: legs.ClientRequest, ep: Endpoint, params: dict[str, Any] | None, rid: str, deadline: float,
         first_token_bound: bool = True,
-    ) -> Awaitable[OpenLeg]:  # fmt: skip
+    ) -> OpenLeg:  # fmt: skip
         """The decode leg (or a recompute when params is None), streamed whenever it can be, so that
         D's first token is visible and bounded by decode_first_token_s (unless first_token_bound is
-        False: push modes bound it from P's finish, in _after_prefill)."""
+        False: push modes bound it from P's finish, in _after_prefill). A coroutine, so that in push
+        modes D's body is built only once P's leg, the task started first, is on its way."""
         body = legs.decode_body(req.body, params)
         aggregate = can_aggregate(req.body)
         if aggregate:
@@ -270,7 +271,7 @@ class Dispatcher:
         remaining = deadline - asyncio.get_running_loop().time()
         bounded = stream and first_token_bound
         timeout = min(self.cfg.deadlines.decode_first_token_s, remaining) if bounded else remaining
-        return self.open_decode(ep, req.path, body, rid, stream, timeout, aggregate)
+        return await self.open_decode(ep, req.path, body, rid, stream, timeout, aggregate)
 
     async def _push(
         self, req: legs.ClientRequest, p: Endpoint, d: Endpoint, rid: str, deadline: float, tokens: int,

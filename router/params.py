@@ -8,7 +8,6 @@ always sets it.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,8 +120,12 @@ def decode_params(
 
 
 def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """The client body as a 1-token, non-streaming prefill with the given kv_transfer_params."""
-    out = copy.deepcopy(body)
+    """The client body as a 1-token, non-streaming prefill with the given kv_transfer_params.
+
+    Leg bodies are shallow copies: they share the prompt (often thousands of token ids) with the
+    client's body, and nothing changes a nested value (a deep copy of a 1024-token prompt took ~1 ms
+    of the router's loop per leg, on the TTFT path)."""
+    out = dict(body)
     for name in _PREFILL_DROP:
         out.pop(name, None)
     out["max_tokens"] = 1
@@ -134,8 +137,8 @@ def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]
 
 
 def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
-    """The client body as sent to decode (None params: a plain local recompute)."""
-    out = copy.deepcopy(body)
+    """The client body as sent to decode (None params: a plain local recompute); shallow, as above."""
+    out = dict(body)
     if params is not None:
         out["kv_transfer_params"] = params
     return out

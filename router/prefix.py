@@ -54,7 +54,7 @@ def chained(chunks: Iterable[bytes]) -> tuple[bytes, ...]:
 
 def token_chunk(tokens: Sequence[int]) -> bytes:
     """A block of token ids as key content (router/kvevents.py keys vLLM's stored blocks with it too)."""
-    return b"t" + b",".join(str(t).encode() for t in tokens)
+    return b"t" + ",".join(map(str, tokens)).encode()
 
 
 def prompt_text(path: str, body: dict[str, Any]) -> str | list[int]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
 from kvferry.contracts.params import ConsumerParams, ProducerParams
 from kvferry.router import params as legs
+from kvferry.router.aggregate import streaming_body
 from kvferry.router.config import Endpoint
 from kvferry.router.errors import ApiError
 
@@ -79,3 +81,25 @@ def test_good_requests_pass() -> None:
     assert legs.validate(legs.COMPLETIONS, {"prompt": [1, 2, 3], "stream": True}, "tiny").stream is True
     assert legs.validate(legs.COMPLETIONS, {"prompt": ["one"], "model": "tiny"}, "tiny").stream is False
     assert legs.validate(legs.CHAT, {"messages": [{"role": "user", "content": "hi"}]}, None).path == legs.CHAT
+
+
+def test_leg_bodies_leave_the_client_body_as_it_came() -> None:
+    """Leg bodies are shallow copies (no per-leg deep copy of a long prompt): building every leg the
+    router can send changes nothing in the client's body, nested values included, and each leg has the
+    shape its engine needs."""
+    body: dict[str, Any] = {
+        "model": "tiny", "prompt": list(range(2048)), "max_tokens": 32, "stream": False,
+        "stream_options": {"include_usage": False}, "logprobs": 2, "n": 1,
+    }  # fmt: skip
+    before = copy.deepcopy(body)
+    p_body = legs.prefill_body(body, legs.prefill_params("kvferry", "rid", 0, D, 30.0))
+    d_body = legs.decode_body(body, legs.decode_params("kvferry", legs.COMPLETIONS, "rid", 0, P, 30.0))
+    s_body = streaming_body(d_body)
+    assert body == before
+    assert (p_body["max_tokens"], p_body["stream"], "stream_options" in p_body, "logprobs" in p_body) == (
+        1, False, False, False,
+    )  # fmt: skip
+    assert s_body["stream"] is True and s_body["stream_options"] == {"include_usage": True}
+    assert d_body["stream_options"] == {"include_usage": False}  # the streamed copy got its own options
+    assert "kv_transfer_params" in d_body and "kv_transfer_params" not in body
+    assert p_body["prompt"] == d_body["prompt"] == before["prompt"]
