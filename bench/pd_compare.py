@@ -80,6 +80,8 @@ def run_clients(sweep: loadbench.Sweep, url: str, clients: list[str], model: Pat
             cell = vllmbench.BenchCell(length, rate, 0, requests)
         print(f"   vllm bench serve {length}x{rate:g}: TTFT p50={cell.ttft_ms.get('p50', math.nan):.1f}ms "
               f"TPOT p50={cell.tpot_ms.get('p50', math.nan):.2f}ms {cell.req_per_s:.2f} req/s")  # fmt: skip
+        for error in dict.fromkeys(cell.errors):  # a failure is never left unexplained
+            print(f"   vllm bench serve, failed request: {error}"[:1000], file=sys.stderr)
         out["vllm"] = [cell]
     return out
 

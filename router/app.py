@@ -25,6 +25,7 @@ from kvferry.router.config import RouterConfig
 from kvferry.router.discovery import make_discovery
 from kvferry.router.dispatch import Dispatcher, OpenLeg, new_request_id
 from kvferry.router.errors import RETRY_AFTER_S, ApiError, LegError, error_body
+from kvferry.router.framing import EventFramer
 from kvferry.router.kvfeed import KvEventFeed
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.prefix import PrefixIndex
@@ -191,11 +192,12 @@ async def _relay(
             return body, outcome
         started_early = first.response if first else None  # prefill's token already sent on it
         resp = started_early if started_early is not None else web.StreamResponse(headers={**headers, **_SSE})
-        echo = first.echo() if first else None  # the router asked for ids: check and strip them
+        # Early first token: check and strip what the router asked for; else relay whole events only.
+        echo: early.DecodeEcho | EventFramer = first.echo() if first else EventFramer()
         try:
             if started_early is None:
                 await resp.prepare(request)
-            await resp.write(echo.feed(leg.first) if echo else leg.first)
+            await resp.write(echo.feed(leg.first))
             if started_early is None:
                 state["metrics"].ttft.labels(cfg.mode).observe(time.monotonic() - started)
             remaining = started + cfg.deadlines.total_s - time.monotonic()
@@ -245,11 +247,12 @@ async def _aggregate(leg: OpenLeg, chat: bool, deadline: float) -> dict[str, Any
     return agg.result()
 
 
-async def _pipe(leg: OpenLeg, resp: web.StreamResponse, echo: early.DecodeEcho | None) -> None:
+async def _pipe(leg: OpenLeg, resp: web.StreamResponse, echo: early.DecodeEcho | EventFramer) -> None:
     async for chunk in leg.response.content.iter_any():
-        await resp.write(echo.feed(chunk) if echo else chunk)
-    if echo:
-        await resp.write(echo.flush())
+        if out := echo.feed(chunk):  # whole events only (framing.py)
+            await resp.write(out)
+    if rest := echo.flush():
+        await resp.write(rest)
 
 
 async def _error_event(resp: web.StreamResponse, body: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.router.framing import EventFramer, events, frame
 from kvferry.router.sse import delta_has_output
 
 # Requests whose first event cannot be mirrored from a 1-token answer, or whose first token is not
@@ -74,7 +75,7 @@ def first_token(answer: Any, chat: bool, want_ids: bool) -> FirstToken | None:
         "model": answer.get("model"),
         "choices": [out],
     }
-    return FirstToken(ids[0], text, _sse(event))
+    return FirstToken(ids[0], text, frame(_data(event)))
 
 
 def _chat_text(choice: dict[str, Any]) -> str | None:
@@ -90,44 +91,48 @@ def _chat_text(choice: dict[str, Any]) -> str | None:
 class DecodeEcho:
     """Rewrites decode's SSE stream after the client got `first`: drops chat's role-only chunk (the
     first chunk carried the role), checks that decode's first generated token is `first` and removes
-    it, and strips token ids the client did not ask for. Feed raw bytes; get the bytes to relay."""
+    it, and strips token ids the client did not ask for. Feed raw bytes; get the bytes to relay, as
+    whole events (framing.py): a dropped event leaves nothing behind, not even its blank line."""
 
     def __init__(self, first: FirstToken | None, chat: bool, want_ids: bool) -> None:
         """first None: the client got nothing from prefill (decode's token came first, or prefill's
         answer could not be mirrored); only the ids the client did not ask for are stripped."""
         self.first, self.chat, self.want_ids = first, chat, want_ids
         self.matched = first is None
-        self._partial = b""
+        self._framer = EventFramer()
 
     def feed(self, data: bytes) -> bytes:
-        if self.matched and self.want_ids:
-            data, self._partial = self._partial + data, b""
-            return data  # nothing left to change: relay as it came
-        *lines, self._partial = (self._partial + data).split(b"\n")
-        return b"".join(self._line(line) for line in lines)
+        return self._rewrite(self._framer.feed(data))
 
     def flush(self) -> bytes:
-        """What is left at the end of the stream (a last line without its newline)."""
-        rest, self._partial = self._partial, b""
-        return self._line(rest)[:-1] if rest else b""
+        """What is left at the end of the stream (a last event without its blank line)."""
+        return self._rewrite(self._framer.flush())
 
-    def _line(self, line: bytes) -> bytes:
+    def _rewrite(self, framed: bytes) -> bytes:
+        if self.matched and self.want_ids:
+            return framed  # nothing left to change: relay as it came
+        return b"".join(frame(out) for event in events(framed) if (out := self._event(event)) is not None)
+
+    def _event(self, event: bytes) -> bytes | None:
+        """The event to relay, or None to drop it."""
+        lines = [self._line(line) for line in event.split(b"\n")]
+        return None if None in lines else b"\n".join(line for line in lines if line is not None)
+
+    def _line(self, line: bytes) -> bytes | None:
         stripped = line.strip()
         if not stripped.startswith(b"data:") or stripped[5:].strip() == b"[DONE]":
-            return line + b"\n"
+            return line
         try:
             event = json.loads(stripped[5:])
         except ValueError:
-            return line + b"\n"
+            return line
         if not isinstance(event, dict) or not isinstance(event.get("choices"), list):
-            return line + b"\n"
+            return line
         if not self.want_ids:
             _strip_ids(event, keep_first=not self.matched)
-        if not self.matched:
-            keep = self._take_first(event)
-            if not keep:
-                return b""
-        return _data(event) + b"\n"
+        if not self.matched and not self._take_first(event):
+            return None
+        return _data(event)
 
     def _take_first(self, event: dict[str, Any]) -> bool:
         """Remove the already-sent token from the event that carries it; False: drop the event."""
@@ -185,11 +190,6 @@ def _has_text(choice: dict[str, Any], chat: bool) -> bool:
 
 def _brief(choice: dict[str, Any]) -> str:
     return json.dumps(choice)[:200]
-
-
-def _sse(event: dict[str, Any]) -> bytes:
-    """A whole SSE event: its data line and the blank line that ends it."""
-    return _data(event) + b"\n\n"
 
 
 def _data(event: dict[str, Any]) -> bytes:

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+_ERROR_LINE = re.compile(r"^Error \d+: ")  # how `vllm bench serve` reports a failed request
 
 # `vllm bench serve`'s parser and main, without the console script's version lookup.
 _RUNNER = (
@@ -40,6 +43,7 @@ class BenchCell:
     ttft_ms: dict[str, float] = field(default_factory=dict)  # p50, p99
     tpot_ms: dict[str, float] = field(default_factory=dict)
     req_per_s: float = math.nan
+    errors: tuple[str, ...] = ()  # what the client said of its failed requests (it prints at most 10)
 
 
 def arguments(
@@ -57,7 +61,12 @@ def arguments(
     ]  # fmt: skip
 
 
-def parse_result(doc: dict[str, Any], length: int, rate: float) -> BenchCell:
+def failure_lines(stdout: str) -> tuple[str, ...]:
+    """The client's own words for its failed requests: the `Error <i>: ...` lines it prints."""
+    return tuple(line.partition(": ")[2].strip() for line in stdout.splitlines() if _ERROR_LINE.match(line))
+
+
+def parse_result(doc: dict[str, Any], length: int, rate: float, errors: tuple[str, ...] = ()) -> BenchCell:
     """A cell from `vllm bench serve`'s result JSON; raises KeyError naming a missing field."""
     return BenchCell(
         length=length,
@@ -67,6 +76,7 @@ def parse_result(doc: dict[str, Any], length: int, rate: float) -> BenchCell:
         ttft_ms={"p50": float(doc["median_ttft_ms"]), "p99": float(doc["p99_ttft_ms"])},
         tpot_ms={"p50": float(doc["median_tpot_ms"]), "p99": float(doc["p99_tpot_ms"])},
         req_per_s=float(doc["request_throughput"]),
+        errors=errors,
     )
 
 
@@ -88,4 +98,4 @@ def run_cell(
             raise RuntimeError(
                 f"vllm bench serve failed (exit {proc.returncode}) at {length}x{rate:g}: {tail}"
             )
-        return parse_result(json.loads(out.read_text()), length, rate)
+        return parse_result(json.loads(out.read_text()), length, rate, failure_lines(proc.stdout))

@@ -92,3 +92,21 @@ def test_vllm_bench_serve_results_are_read_by_name() -> None:
     )  # fmt: skip
     with pytest.raises(KeyError, match="median_tpot_ms"):
         parse_result({k: v for k, v in doc.items() if k != "median_tpot_ms"}, 1024, 4.0)
+
+
+def test_the_vllm_clients_words_for_failed_requests_are_kept() -> None:
+    from kvferry.tools.vllmbench import failure_lines
+
+    stdout = (
+        "Traffic request rate: 32.0\n"
+        "Failed requests during benchmark run detected (capping to 10):\n"
+        "Error 0: Never received a valid chunk to calculate TTFT.This response will be marked as failed!\n"
+        "Error 1: Traceback (most recent call last): ClientPayloadError\n"
+        "============ Serving Benchmark Result ============\n"
+        "Successful requests:                     254\n"
+    )
+    assert failure_lines(stdout) == (
+        "Never received a valid chunk to calculate TTFT.This response will be marked as failed!",
+        "Traceback (most recent call last): ClientPayloadError",
+    )
+    assert failure_lines("Successful requests: 256\n") == ()
