@@ -103,6 +103,7 @@ def measure(
     stock: bool,
     kvferry_extra: dict,
     clients: list[str],
+    whole: bool = True,
 ) -> Cells:
     """Start the mode's servers, sweep (each cell by every client), stop them (by PID) even on failure.
 
@@ -115,6 +116,8 @@ def measure(
         spec = ServerSpec(model=model, port=free_port(), cores=SINGLE_CORES[mode])
         server = VllmProcess(spec, workdir / f"{mode}.log")
         with server:
+            if whole:  # the API server and engine core on the same cores as the worker
+                server.pin(whole=True)
             for i, (length, rate) in enumerate((n, r) for n in sweep.lengths for r in sweep.rates):
                 one = replace(sweep, lengths=(length,), rates=(rate,))
                 _extend(cells, run_clients(one, server.url, clients, model, 3 if i == 0 else 0))
@@ -133,6 +136,7 @@ def measure(
                         no_progress_thread=not stock,
                         kvferry_extra=kvferry_extra,
                         router_extra=VARIANTS.get(mode, {}),
+                        pin_whole=whole,
                     )
                     stack.start()
                 cell_sweep = replace(sweep, lengths=(length,), rates=(rate,))
@@ -281,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=float, default=30.0, help="per-request bound (a wedge shows as failures)"
     )
+    parser.add_argument(
+        "--pin", choices=("whole", "worker"), default="whole",
+        help="whole: each engine's processes all on its cores, as a pod's CPU set holds them; worker: "
+        "only its worker (API server and engine core free to run on the other engine's core)",
+    )  # fmt: skip
     parser.add_argument("--stock-upstream", action="store_true", help="keep upstream's UCX progress thread")
     parser.add_argument(
         "--kvferry-extra", type=json.loads, default={}, help="kv_connector_extra_config overrides (JSON)"
@@ -314,7 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             try:
                 cells = measure(
-                    mode, sweep, model, Path(tmp), args.stock_upstream, args.kvferry_extra, clients
+                    mode,
+                    sweep,
+                    model,
+                    Path(tmp),
+                    args.stock_upstream,
+                    args.kvferry_extra,
+                    clients,
+                    whole=args.pin == "whole",
                 )
             except Exception as exc:  # one broken mode must not lose the others' numbers
                 print(f"== {mode}: FAILED: {exc!r}"[:2000], file=sys.stderr)

@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,14 +109,24 @@ def router_metric(url: str, name: str) -> float:
     return metric_sum(parse_metrics(httpx.get(url + "/metrics", timeout=10).text), name)
 
 
-def measure(stack: PdStack, rounds: int, max_tokens: int, gap_s: float, seed: int) -> dict[str, list[float]]:
+def prompts(seed: int) -> Callable[[], list[int]]:
     rng = random.Random(seed)
-    prompt = lambda: [rng.randrange(300, 2000) for _ in range(1024)]  # noqa: E731 - ids the tokenizer has
-    out: dict[str, list[float]] = {w: [] for w in (*WAYS, "router-internal")}
+    return lambda: [rng.randrange(300, 2000) for _ in range(1024)]  # ids the tokenizer has
+
+
+def warm_up(stack: PdStack, max_tokens: int, seed: int) -> None:
+    """Connections and the side-channel handshake, before anything is counted."""
+    prompt = prompts(seed + 1)
     with httpx.Client(timeout=60) as client:
-        for _ in range(3):  # warm-up: connections, the side-channel handshake
+        for _ in range(3):
             stream_ttft_ms(client, stack.url, client_body(prompt(), max_tokens))
             legs_ms(stack, client, client_body(prompt(), max_tokens), push_beside=True)
+
+
+def measure(stack: PdStack, rounds: int, max_tokens: int, gap_s: float, seed: int) -> dict[str, list[float]]:
+    prompt = prompts(seed)
+    out: dict[str, list[float]] = {w: [] for w in (*WAYS, "router-internal")}
+    with httpx.Client(timeout=60) as client:
         for _ in range(rounds):
             for way in WAYS:
                 body = client_body(prompt(), max_tokens)
@@ -162,13 +173,29 @@ def main() -> int:
     parser.add_argument("--gap", type=float, default=0.3, help="seconds between requests (all idle)")
     parser.add_argument("--first-token", choices=("decode", "prefill"), default="prefill")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--pin", choices=("whole", "worker"), default="whole",
+        help="whole: each engine's processes all on its cores, as a pod's CPU set holds them; worker: "
+        "only its worker (API server and engine core free to run on the other engine's core)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--connector", type=json.loads, default={}, help="JSON: kv_connector_extra_config overrides"
+    )
     parser.add_argument("--out", type=Path, help="write <out>.md and <out>.json")
     args = parser.parse_args()
     router = {"streaming": {"first_token": args.first_token}}
     with tempfile.TemporaryDirectory(prefix="pd-breakdown-") as tmp:
-        stack = PdStack("kvferry", ensure("llama"), Path(tmp), router_extra=router).start()
+        stack = PdStack(
+            "kvferry",
+            ensure("llama"),
+            Path(tmp),
+            router_extra=router,
+            kvferry_extra=args.connector,
+            pin_whole=args.pin == "whole",
+        ).start()
         try:
             name = "kvferry_router_first_token_from_prefill_total"
+            warm_up(stack, args.max_tokens, args.seed)
             before = router_metric(stack.url, name)
             samples = measure(stack, args.rounds, args.max_tokens, args.gap, args.seed)
             early = router_metric(stack.url, name) - before

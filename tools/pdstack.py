@@ -139,6 +139,9 @@ class PdStack:
     load_failure_policy: str = "fail"  # decode's kv_load_failure_policy
     router_extra: dict[str, Any] = field(default_factory=dict)  # router.yaml keys, e.g. limits
     kv_events: bool = False  # engines publish vLLM's KV-cache events; the router follows them
+    # every process of an engine on its core (a pod's CPU set), not only its worker: without it a
+    # role's API server and engine core also run on the other role's core (bench/pd_ttft_breakdown.py)
+    pin_whole: bool = False
     prefill: VllmProcess | None = None
     decode: VllmProcess | None = None
     router: RouterProcess | None = None
@@ -193,8 +196,8 @@ class PdStack:
             self.prefill.wait_ready(ready_timeout_s, new_ports=True)
             self.decode.wait_ready(ready_timeout_s, new_ports=True)
             # NIXL's worker init re-pins the model thread to the last core; put each back on its own.
-            self.prefill.pin()
-            self.decode.pin()
+            self.prefill.pin(self.pin_whole)
+            self.decode.pin(self.pin_whole)
             self.router = RouterProcess(self.router_config(), self.workdir).start()
             self.warm_up()
         except BaseException:
@@ -299,7 +302,7 @@ class PdStack:
         setattr(self, role, new)  # stop() reaches it from here on
         self.starting.add(role)
         new.start().wait_ready(ready_timeout_s)
-        new.pin()
+        new.pin(self.pin_whole)
         self.starting.discard(role)
         return new
 

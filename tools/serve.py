@@ -285,13 +285,15 @@ class VllmProcess:
             time.sleep(0.5)
         raise TimeoutError(f"vLLM {self.spec.role} not healthy after {timeout_s:.0f}s: {self.log_tail()}")
 
-    def pin(self) -> int:
-        """Move every thread of the server's worker processes onto spec.cores; returns threads moved."""
+    def pin(self, whole: bool = False) -> int:
+        """Move every thread of the server's worker processes (whole: of all its processes, the API
+        server and engine core too, as a pod's CPU set would hold them) onto spec.cores; returns
+        threads moved."""
         assert self.proc is not None
         cores, moved = parse_cores(self.spec.cores), 0
-        for pid in _descendants(self.proc.pid):
+        for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
             try:
-                if "Worker" not in Path(f"/proc/{pid}/comm").read_text():
+                if not whole and "Worker" not in Path(f"/proc/{pid}/comm").read_text():
                     continue
                 for task in Path(f"/proc/{pid}/task").iterdir():
                     os.sched_setaffinity(int(task.name), cores)
