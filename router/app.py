@@ -167,6 +167,7 @@ def _plan(state: dict[str, Any], req: legs.ClientRequest) -> Plan:
     except NoBackendError as exc:
         raise ApiError(503, str(exc), "no_backend") from None
     except OverloadedError as exc:
+        state["metrics"].shed.labels(exc.role, exc.limit).inc()
         raise ApiError(429, str(exc), "overloaded", headers={"Retry-After": RETRY_AFTER_S}) from None
 
 

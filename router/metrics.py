@@ -42,6 +42,11 @@ class RouterMetrics:
             "kvferry_router_first_token_from_prefill", "streaming.first_token prefill: streams started "
             "with prefill's token (before decode's)", registry=r,
         )  # fmt: skip
+        self.shed = Counter(
+            "kvferry_router_shed", "Requests refused with 429 before any engine saw them, by the role "
+            "whose limit refused them and the limits key (max_in_flight_per_engine, max_prefill_wait_s)",
+            ["role", "limit"], registry=r,
+        )  # fmt: skip
         self.in_flight = Gauge(
             "kvferry_router_in_flight", "Legs in flight per engine", ["role", "engine_id"], registry=r
         )

@@ -65,7 +65,9 @@ class Planner:
         wait, limit = self.backlog.wait_s(url, tokens), self.max_prefill_wait_s
         if wait is not None and wait > limit:
             why = f"prefill {engine_id} would start this request in ~{wait:.1f}s, over the limit of "
-            raise OverloadedError("prefill", f"{why}{limit:g}s (limits.max_prefill_wait_s)")
+            raise OverloadedError(
+                "prefill", f"{why}{limit:g}s (limits.max_prefill_wait_s)", "max_prefill_wait_s"
+            )
 
     def _account(self, plan: Plan) -> None:
         """Count how the request is served and what the chosen engines held; record that they hold it

@@ -28,13 +28,15 @@ class OverloadedError(Exception):
     """The request cannot be taken now (429): every engine of a role is at its in-flight limit
     (`at_limit`), or the prefill engine would start it too late (routing.py)."""
 
-    def __init__(self, role: str, message: str) -> None:
+    def __init__(self, role: str, message: str, limit: str) -> None:
         super().__init__(f"{message}; retry after a moment")
         self.role = role
+        self.limit = limit  # the limits key that refused it: max_in_flight_per_engine, max_prefill_wait_s
 
     @classmethod
     def at_limit(cls, role: str, limit: int) -> OverloadedError:
-        return cls(role, f"every {role} engine is at its limit of {limit} requests in flight")
+        message = f"every {role} engine is at its limit of {limit} requests in flight"
+        return cls(role, message, "max_in_flight_per_engine")
 
 
 @dataclass

@@ -52,6 +52,7 @@ def test_full_decode_gets_429_with_retry_after() -> None:
         metrics = await (await client.get("/metrics")).text()
         assert 'outcome="overloaded"} 1.0' in metrics
         assert 'kvferry_router_errors_total{status="429"} 1.0' in metrics
+        assert 'kvferry_router_shed_total{limit="max_in_flight_per_engine",role="decode"} 1.0' in metrics
 
     run("kvferry", "slow:0.6", "after_prefill", check, limits={"max_in_flight_per_engine": 1})
 

@@ -120,6 +120,7 @@ def test_a_request_prefill_could_not_start_in_time_gets_429_before_anything_is_s
         assert (await client.post("/v1/completions", json=prompt(6))).status == 200, "drained: admitted"
         metrics = await (await client.get("/metrics")).text()
         assert 'outcome="overloaded"} 1.0' in metrics
+        assert 'kvferry_router_shed_total{limit="max_prefill_wait_s",role="prefill"} 1.0' in metrics
 
     run("kvferry", "slow:0.3", "after_prefill", check, limits={"max_prefill_wait_s": 0.5})
 
