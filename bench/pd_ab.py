@@ -72,16 +72,26 @@ def _metrics(url: str) -> dict[str, float]:
     return parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
 
 
+def _shed_by(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The 429s by the role and limits key that refused them (kvferry_router_shed_total's labels)."""
+    name = "kvferry_router_shed_total{"
+    grown = {k[len(name) : -1]: v - before.get(k, 0.0) for k, v in after.items() if k.startswith(name)}
+    return {k: v for k, v in grown.items() if v}
+
+
 def one(model: Path, v: Variant, rate: float, requests: int, warmup: int, whole: bool) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix=f"pd-ab-{v.name}-") as tmp:
         stack = PdStack(
             v.mode, model, Path(tmp), kvferry_extra=v.connector, router_extra=v.router, pin_whole=whole
         ).start()
-        assert stack.decode is not None and stack.router is not None
+        assert stack.prefill is not None and stack.decode is not None and stack.router is not None
         try:
-            vllmbench.run_cell(stack.url, model, LENGTH, rate, warmup, MAX_TOKENS, 900)
+            if warmup:  # 0: measure the fresh stack (its first requests at this rate)
+                vllmbench.run_cell(stack.url, model, LENGTH, rate, warmup, MAX_TOKENS, 900)
             d0, r0, c0 = _metrics(stack.decode.url), _metrics(stack.url), _cpu()
+            p0, dt0 = stack.prefill.cpu_seconds(), stack.decode.cpu_seconds()
             cell = vllmbench.run_cell(stack.url, model, LENGTH, rate, requests, MAX_TOKENS, 900)
+            p1, dt1 = stack.prefill.cpu_seconds(), stack.decode.cpu_seconds()
             d1, r1, c1 = _metrics(stack.decode.url), _metrics(stack.url), _cpu()
         finally:
             stack.stop()
@@ -90,7 +100,10 @@ def one(model: Path, v: Variant, rate: float, requests: int, warmup: int, whole:
     return {
         "tpot_p50_ms": cell.tpot_ms["p50"], "ttft_p50_ms": cell.ttft_ms["p50"],
         "ttft_p99_ms": cell.ttft_ms["p99"], "req_per_s": cell.req_per_s, "failed": cell.failed,
-        "shed": shed, "steal": steal_fraction(c0, c1), "errors": list(cell.errors[:3]),
+        "shed": shed, "shed_by": _shed_by(r0, r1), "steal": steal_fraction(c0, c1),
+        "errors": list(cell.errors[:3]),
+        "p_cpu_ms_per_request": 1000 * (p1 - p0) / requests,
+        "d_cpu_ms_per_request": 1000 * (dt1 - dt0) / requests,
         "d_rounds_per_request": grew(d0, d1, "kvferry_endpoint_rounds_total") / requests,
         "d_endpoint_cpu_ms_per_request": 1000 * grew(d0, d1, "kvferry_endpoint_cpu_seconds_total") / requests,
     }  # fmt: skip
@@ -104,6 +117,8 @@ COLUMNS = (  # (header, key, format, compared with pull)
     ("failed", "failed", "d", False),
     ("shed", "shed", ".0f", False),
     ("host steal", "steal", ".1%", False),
+    ("P CPU ms / request", "p_cpu_ms_per_request", ".1f", True),  # the whole server: API, engine, worker
+    ("D CPU ms / request", "d_cpu_ms_per_request", ".1f", True),
     ("D wake-ups / request", "d_rounds_per_request", ".1f", False),
     ("D endpoint CPU ms / request", "d_endpoint_cpu_ms_per_request", ".2f", False),
 )
@@ -145,6 +160,9 @@ def report(rows: list[dict[str, Any]], command: str) -> str:
             if versus and min(r[key] for r in mine) > 0
         ]
         lines.append(f"- {variant}: " + ", ".join(parts))
+    shed_by = [f"round {r['round']} {r['variant']}: {r['shed_by']}" for r in rows if r.get("shed_by")]
+    if shed_by:
+        lines += ["", "What refused the 429s (role, limits key):", ""] + [f"- {s}" for s in shed_by]
     errors = sorted({e for r in rows for e in r.get("errors", [])})
     if errors:
         lines += ["", "What vLLM's client said of failed requests:", ""] + [f"- {e}" for e in errors]
