@@ -29,7 +29,7 @@ import httpx
 from kvferry.local.tinymodel import ensure
 from kvferry.router.promtext import metric_sum, parse_metrics
 from kvferry.tools import vllmbench
-from kvferry.tools.pdstack import PdStack
+from kvferry.tools.pdstack import PdStack, add_pin_argument
 
 LENGTH, MAX_TOKENS = 1024, 32
 
@@ -179,11 +179,7 @@ def main() -> int:
         "--variant", action="append", default=[], type=parse_variant,
         help='NAME=JSON: kvferry with {"connector": {...}, "router": {...}} overrides (repeatable)',
     )  # fmt: skip
-    parser.add_argument(
-        "--pin", choices=("whole", "worker"), default="whole",
-        help="whole: each engine's processes all on its cores, as a pod's CPU set holds them; worker: "
-        "only its worker (API server and engine core free to run on the other engine's core)",
-    )  # fmt: skip
+    add_pin_argument(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     variants = [Variant("pull", "vllm-pull"), Variant("kvferry", "kvferry"), *args.variant]

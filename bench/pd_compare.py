@@ -33,7 +33,7 @@ import httpx
 from kvferry.local.tinymodel import ensure
 from kvferry.router.promtext import parse_metrics
 from kvferry.tools import loadbench, vllmbench
-from kvferry.tools.pdstack import PdStack, kvferry_connector_available
+from kvferry.tools.pdstack import PdStack, add_pin_argument, kvferry_connector_available
 from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 
 ALL_MODES = (
@@ -285,11 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=float, default=30.0, help="per-request bound (a wedge shows as failures)"
     )
-    parser.add_argument(
-        "--pin", choices=("whole", "worker"), default="whole",
-        help="whole: each engine's processes all on its cores, as a pod's CPU set holds them; worker: "
-        "only its worker (API server and engine core free to run on the other engine's core)",
-    )  # fmt: skip
+    add_pin_argument(parser)
     parser.add_argument("--stock-upstream", action="store_true", help="keep upstream's UCX progress thread")
     parser.add_argument(
         "--kvferry-extra", type=json.loads, default={}, help="kv_connector_extra_config overrides (JSON)"

@@ -37,7 +37,7 @@ from kvferry.local.tinymodel import ensure
 from kvferry.router import params as legs
 from kvferry.router.config import Endpoint
 from kvferry.router.promtext import metric_sum, parse_metrics
-from kvferry.tools.pdstack import PdStack
+from kvferry.tools.pdstack import PdStack, add_pin_argument
 
 WAYS = ("engine", "prefill-alone", "prefill-with-push", "router")
 PATH = legs.COMPLETIONS
@@ -173,11 +173,7 @@ def main() -> int:
     parser.add_argument("--gap", type=float, default=0.3, help="seconds between requests (all idle)")
     parser.add_argument("--first-token", choices=("decode", "prefill"), default="prefill")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--pin", choices=("whole", "worker"), default="whole",
-        help="whole: each engine's processes all on its cores, as a pod's CPU set holds them; worker: "
-        "only its worker (API server and engine core free to run on the other engine's core)",
-    )  # fmt: skip
+    add_pin_argument(parser)
     parser.add_argument(
         "--connector", type=json.loads, default={}, help="JSON: kv_connector_extra_config overrides"
     )

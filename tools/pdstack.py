@@ -13,6 +13,7 @@ children; `orphan_shm()` lists /dev/shm files that killed engines left behind.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -120,6 +121,16 @@ class RouterProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+def add_pin_argument(parser: argparse.ArgumentParser) -> None:
+    """The P/D benches' --pin: whole (PdStack.pin_whole) or worker (the pinning of results before
+    2026-12-03 15:40)."""
+    parser.add_argument(
+        "--pin", choices=("whole", "worker"), default="whole",
+        help="whole: each engine's processes all on its cores, as a pod's CPU set holds them; worker: "
+        "only its worker (API server and engine core free to run on the other engine's core)",
+    )  # fmt: skip
 
 
 @dataclass
