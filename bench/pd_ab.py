@@ -5,9 +5,9 @@ requests the router shed (429) from the router's.
 
     python bench/pd_ab.py --rate 4 --requests 80 --rounds 2 \
         --variant 'kvferry-poll1ms={"connector": {"poll_min_s": 0.001}}' --out bench/results/decode_tpot_ab
-    python bench/pd_ab.py --rate 32 --requests 256 --warmup 256 --rounds 2 \
-        --variant 'kvferry-early={"router": {"streaming": {"first_token": "prefill"}}}' \
-        --out bench/results/pd_ab_saturation
+    python bench/pd_ab.py --rate 16 --requests 160 --warmup 64 --rounds 2 \
+        --variant 'kvferry-at-once={"router": {"push": {"decode_start": "with-prefill"}}}' \
+        --out bench/results/pd_ab_16_variants
 
 Answers whether a gap in a short cell of bench/pd_compare.py is cost or noise (a fresh stack's first
 hundreds of requests at saturation are slower than the rest), and which override moves it.
@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 from kvferry.local.tinymodel import ensure
-from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.router.promtext import metric_sum
 from kvferry.tools import vllmbench
 from kvferry.tools.pdstack import PdStack, add_pin_argument
 
@@ -68,10 +67,6 @@ def steal_fraction(before: list[int], after: list[int]) -> float:
     return spent[7] / sum(spent) if sum(spent) else 0.0
 
 
-def _metrics(url: str) -> dict[str, float]:
-    return parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
-
-
 def _shed_by(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """The 429s by the role and limits key that refused them (kvferry_router_shed_total's labels)."""
     name = "kvferry_router_shed_total{"
@@ -88,19 +83,19 @@ def one(model: Path, v: Variant, rate: float, requests: int, warmup: int, whole:
         try:
             if warmup:  # 0: measure the fresh stack (its first requests at this rate)
                 vllmbench.run_cell(stack.url, model, LENGTH, rate, warmup, MAX_TOKENS, 900)
-            d0, r0, c0 = _metrics(stack.decode.url), _metrics(stack.url), _cpu()
+            d0, r0, c0 = stack.decode.metrics(), stack.router.metrics(), _cpu()
             p0, dt0 = stack.prefill.cpu_seconds(), stack.decode.cpu_seconds()
             cell = vllmbench.run_cell(stack.url, model, LENGTH, rate, requests, MAX_TOKENS, 900)
             p1, dt1 = stack.prefill.cpu_seconds(), stack.decode.cpu_seconds()
-            d1, r1, c1 = _metrics(stack.decode.url), _metrics(stack.url), _cpu()
+            d1, r1, c1 = stack.decode.metrics(), stack.router.metrics(), _cpu()
         finally:
             stack.stop()
-    grew = lambda a, b, name, **labels: metric_sum(b, name, **labels) - metric_sum(a, name, **labels)  # noqa: E731
-    shed = grew(r0, r1, "kvferry_router_requests_total", outcome="overloaded")  # refused with 429
+    grew = lambda a, b, name: metric_sum(b, name) - metric_sum(a, name)  # noqa: E731
+    shed_by = _shed_by(r0, r1)
     return {
         "tpot_p50_ms": cell.tpot_ms["p50"], "ttft_p50_ms": cell.ttft_ms["p50"],
         "ttft_p99_ms": cell.ttft_ms["p99"], "req_per_s": cell.req_per_s, "failed": cell.failed,
-        "shed": shed, "shed_by": _shed_by(r0, r1), "steal": steal_fraction(c0, c1),
+        "shed": sum(shed_by.values()), "shed_by": shed_by, "steal": steal_fraction(c0, c1),
         "errors": list(cell.errors[:3]),
         "p_cpu_ms_per_request": 1000 * (p1 - p0) / requests,
         "d_cpu_ms_per_request": 1000 * (dt1 - dt0) / requests,

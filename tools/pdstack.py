@@ -88,6 +88,9 @@ class RouterProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10.0).text)
+
     def start(self, timeout_s: float = 30.0) -> RouterProcess:
         cfg_path = self.workdir / "router.yaml"
         cfg_path.write_text(
@@ -249,7 +252,8 @@ class PdStack:
                 out[role] = metric_sum(m, "vllm:num_requests_running") + metric_sum(
                     m, "vllm:num_requests_waiting"
                 )
-            r = parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text)
+            assert self.router is not None
+            r = self.router.metrics()
             out["router"] = metric_sum(r, "kvferry_router_in_flight") + metric_sum(
                 r, "kvferry_router_detached_prefills"
             )
@@ -346,7 +350,8 @@ class PdStack:
                     kind = (re.search(r'kind="([^"]*)"', key) or [None, "?"])[1]
                     name = f"{role} kvferry_pending{{kind={kind}}}"
                     out[name] = out.get(name, 0.0) + value
-        m = parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text)
+        assert self.router is not None
+        m = self.router.metrics()
         return out | {f"router {g}": metric_sum(m, g) for g in ROUTER_GAUGES}
 
     def engine_metrics(self, prefixes: tuple[str, ...]) -> dict[str, float]:

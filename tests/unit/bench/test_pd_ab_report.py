@@ -16,9 +16,9 @@ _spec.loader.exec_module(pd_ab)
 
 
 def test_a_variant_carries_connector_and_router_overrides() -> None:
-    v = pd_ab.parse_variant('nice={"connector": {"endpoint_nice": 10}, "router": {"streaming": {}}}')
-    assert (v.name, v.mode) == ("nice", "kvferry")
-    assert (v.connector, v.router) == ({"endpoint_nice": 10}, {"streaming": {}})
+    v = pd_ab.parse_variant('poll={"connector": {"poll_min_s": 0.002}, "router": {"streaming": {}}}')
+    assert (v.name, v.mode) == ("poll", "kvferry")
+    assert (v.connector, v.router) == ({"poll_min_s": 0.002}, {"streaming": {}})
 
 
 @pytest.mark.parametrize(
