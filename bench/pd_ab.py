@@ -28,7 +28,7 @@ from typing import Any
 from kvferry.local.tinymodel import ensure
 from kvferry.router.promtext import metric_sum
 from kvferry.tools import vllmbench
-from kvferry.tools.pdstack import PdStack, add_pin_argument
+from kvferry.tools.pdstack import LOAD_ON, PdStack, add_placement_arguments
 
 LENGTH, MAX_TOKENS = 1024, 32
 
@@ -74,18 +74,23 @@ def _shed_by(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
     return {k: v for k, v in grown.items() if v}
 
 
-def one(model: Path, v: Variant, rate: float, requests: int, warmup: int, whole: bool) -> dict[str, float]:
+def one(
+    model: Path, v: Variant, rate: float, requests: int, warmup: int, whole: bool, load_cores: str
+) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix=f"pd-ab-{v.name}-") as tmp:
         stack = PdStack(
-            v.mode, model, Path(tmp), kvferry_extra=v.connector, router_extra=v.router, pin_whole=whole
-        ).start()
+            v.mode, model, Path(tmp), kvferry_extra=v.connector, router_extra=v.router, pin_whole=whole,
+            load_cores=load_cores,
+        ).start()  # fmt: skip
         assert stack.prefill is not None and stack.decode is not None and stack.router is not None
         try:
             if warmup:  # 0: measure the fresh stack (its first requests at this rate)
-                vllmbench.run_cell(stack.url, model, LENGTH, rate, warmup, MAX_TOKENS, 900)
+                with stack.client_here():  # the client process inherits these cores
+                    vllmbench.run_cell(stack.url, model, LENGTH, rate, warmup, MAX_TOKENS, 900)
             d0, r0, c0 = stack.decode.metrics(), stack.router.metrics(), _cpu()
             p0, dt0 = stack.prefill.cpu_seconds(), stack.decode.cpu_seconds()
-            cell = vllmbench.run_cell(stack.url, model, LENGTH, rate, requests, MAX_TOKENS, 900)
+            with stack.client_here():
+                cell = vllmbench.run_cell(stack.url, model, LENGTH, rate, requests, MAX_TOKENS, 900)
             p1, dt1 = stack.prefill.cpu_seconds(), stack.decode.cpu_seconds()
             d1, r1, c1 = stack.decode.metrics(), stack.router.metrics(), _cpu()
         finally:
@@ -174,7 +179,7 @@ def main() -> int:
         "--variant", action="append", default=[], type=parse_variant,
         help='NAME=JSON: kvferry with {"connector": {...}, "router": {...}} overrides (repeatable)',
     )  # fmt: skip
-    add_pin_argument(parser)
+    add_placement_arguments(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     variants = [Variant("pull", "vllm-pull"), Variant("kvferry", "kvferry"), *args.variant]
@@ -182,7 +187,8 @@ def main() -> int:
     rows = []
     for rnd in range(args.rounds):
         for v in variants:
-            cell = one(model, v, args.rate, args.requests, args.warmup, args.pin == "whole")
+            whole, load = args.pin == "whole", LOAD_ON[args.load_on]
+            cell = one(model, v, args.rate, args.requests, args.warmup, whole, load)
             row = {"round": rnd, "variant": v.name, **cell}
             print(row, flush=True)
             rows.append(row)

@@ -33,7 +33,7 @@ import httpx
 from kvferry.local.tinymodel import ensure
 from kvferry.router.promtext import parse_metrics
 from kvferry.tools import loadbench, vllmbench
-from kvferry.tools.pdstack import PdStack, add_pin_argument, kvferry_connector_available
+from kvferry.tools.pdstack import LOAD_ON, PdStack, add_placement_arguments, kvferry_connector_available
 from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 
 ALL_MODES = (
@@ -104,6 +104,7 @@ def measure(
     kvferry_extra: dict,
     clients: list[str],
     whole: bool = True,
+    load_cores: str = "",
 ) -> Cells:
     """Start the mode's servers, sweep (each cell by every client), stop them (by PID) even on failure.
 
@@ -137,11 +138,14 @@ def measure(
                         kvferry_extra=kvferry_extra,
                         router_extra=VARIANTS.get(mode, {}),
                         pin_whole=whole,
+                        load_cores=load_cores,
                     )
                     stack.start()
                 cell_sweep = replace(sweep, lengths=(length,), rates=(rate,))
                 shed = _shed(stack.url)
-                _extend(cells, run_clients(cell_sweep, stack.url, clients, model, 3 if fresh else 0))
+                with stack.client_here():
+                    more = run_clients(cell_sweep, stack.url, clients, model, 3 if fresh else 0)
+                _extend(cells, more)
                 if _failed(cells) > _shed(stack.url) - shed:  # failures beyond the router's 429s
                     failed = _failed(cells)
                     print(f"== {mode}: {failed} failed at {length}x{rate:g}: restarting", flush=True)
@@ -285,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=float, default=30.0, help="per-request bound (a wedge shows as failures)"
     )
-    add_pin_argument(parser)
+    add_placement_arguments(parser)
     parser.add_argument("--stock-upstream", action="store_true", help="keep upstream's UCX progress thread")
     parser.add_argument(
         "--kvferry-extra", type=json.loads, default={}, help="kv_connector_extra_config overrides (JSON)"
@@ -327,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.kvferry_extra,
                     clients,
                     whole=args.pin == "whole",
+                    load_cores=LOAD_ON[args.load_on],
                 )
             except Exception as exc:  # one broken mode must not lose the others' numbers
                 print(f"== {mode}: FAILED: {exc!r}"[:2000], file=sys.stderr)

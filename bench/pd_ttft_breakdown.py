@@ -37,7 +37,7 @@ from kvferry.local.tinymodel import ensure
 from kvferry.router import params as legs
 from kvferry.router.config import Endpoint
 from kvferry.router.promtext import metric_sum, parse_metrics
-from kvferry.tools.pdstack import PdStack, add_pin_argument
+from kvferry.tools.pdstack import LOAD_ON, PdStack, add_placement_arguments
 
 WAYS = ("engine", "prefill-alone", "prefill-with-push", "router")
 PATH = legs.COMPLETIONS
@@ -173,7 +173,7 @@ def main() -> int:
     parser.add_argument("--gap", type=float, default=0.3, help="seconds between requests (all idle)")
     parser.add_argument("--first-token", choices=("decode", "prefill"), default="prefill")
     parser.add_argument("--seed", type=int, default=0)
-    add_pin_argument(parser)
+    add_placement_arguments(parser)
     parser.add_argument(
         "--connector", type=json.loads, default={}, help="JSON: kv_connector_extra_config overrides"
     )
@@ -188,12 +188,14 @@ def main() -> int:
             router_extra=router,
             kvferry_extra=args.connector,
             pin_whole=args.pin == "whole",
+            load_cores=LOAD_ON[args.load_on],
         ).start()
         try:
             name = "kvferry_router_first_token_from_prefill_total"
             warm_up(stack, args.max_tokens, args.seed)
             before = router_metric(stack.url, name)
-            samples = measure(stack, args.rounds, args.max_tokens, args.gap, args.seed)
+            with stack.client_here():
+                samples = measure(stack, args.rounds, args.max_tokens, args.gap, args.seed)
             early = router_metric(stack.url, name) - before
         finally:
             stack.stop()

@@ -60,6 +60,11 @@ class KvferryConfig:
     # of 3; bench/results/README.md). It was 2 ms while vLLM's queue spin starved the endpoint thread.
     poll_min_s: Seconds = 0.0002
     poll_max_s: Seconds = 0.01  # poll interval while something is pending (e.g. held blocks await D)
+    # Consumer: who runs the rounds that notice KV landed. "step": the engine's steps do (each step with
+    # receives pending runs one round and takes its results; timer polls only back that up, at
+    # poll_max_s), so decode's core is not woken between steps, where the engine could not act on the
+    # news anyway. "timer": the endpoint polls on its own from poll_min_s up, and steps only kick.
+    consumer_rounds: Literal["step", "timer"] = "step"
     # nothing pending at all: the endpoint thread sleeps this long between housekeeping rounds (any
     # command wakes it at once); poll_max_s here restores the old always-polling behaviour
     idle_tick_s: Seconds = 1.0

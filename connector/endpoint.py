@@ -6,7 +6,9 @@ cores, and carries out their actions. It waits on an event between rounds for as
 pending allows (pacing.py: from 0.2 ms while a WRITE is in flight to `idle_tick_s` with nothing
 pending, so an engine with no transfers shares its core with no one). While requests are pending,
 the vLLM glue also `kick()`s a round at every engine step: without a UCX progress thread a WRITE and
-its notification advance only when an agent is polled.
+its notification advance only when an agent is polled. A consumer's glue instead runs a round and
+waits for it (`round_now`, config `consumer_rounds: step`): the step takes what the round found, and
+the thread's own polls back off to a backstop while steps keep coming (pacing.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ log = logging.getLogger(__name__)
 Key = A.Key
 PRUNE_EVERY_S = 5.0
 CONTACT_WINDOW_S = 5.0  # after a peer fetched our metadata, poll while it connects (UCX wire-up)
+FULL_ROUND_S = 0.005  # a round with nothing new skips the core's timers if a full round ran this recently
+DRIVEN_FOR_S = 0.05  # a consumer polls on its own again once no engine step ran a round for this long
 
 
 @dataclass
@@ -94,6 +98,9 @@ class Endpoint:
         self.dead: str = ""  # why the endpoint thread stopped serving ("" while it serves)
         self._wake, self._stop, self._ready = threading.Event(), threading.Event(), threading.Event()
         self._results, self._results_cv = Results(), threading.Condition()
+        # round_now(): rounds begun and ended, and when an engine step last asked for one
+        self._round_cv, self._rounds_begun, self._rounds_ended = threading.Condition(), 0, 0
+        self._stepped_at = -DRIVEN_FOR_S
         self._startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"kvferry-{role}-{tp_rank}", daemon=True)
         self.peers = Peers(cfg, self.metrics, self._wake.set)
@@ -108,6 +115,7 @@ class Endpoint:
         self.notifier: Notifier | None = None
         self._refused: set[str] = set()  # peer agents whose layout mismatch was logged
         self._next_prune = 0.0
+        self._next_full_round = 0.0
 
     # ---- lifecycle (caller thread) ----
     def start(self, timeout_s: float = 60.0) -> Endpoint:
@@ -181,6 +189,22 @@ class Endpoint:
         """Run a round now (non-blocking; several kicks before the round make one round)."""
         self._wake.set()
 
+    @property
+    def rounds_run(self) -> int:
+        """Rounds this thread has run so far (exact, where the metric is flushed once a second)."""
+        return self._rounds_ended
+
+    def round_now(self, timeout_s: float) -> bool:
+        """Run a round now and wait, at most `timeout_s`, until one that began after this call ended;
+        False if none did in time (its results then come with a later take). The caller's step then
+        takes what that round found, and while steps keep asking, the thread polls on its own only
+        as a backstop (pacing.py, `driven`)."""
+        with self._round_cv:
+            self._stepped_at = time.monotonic()
+            want = self._rounds_begun + 1
+            self._wake.set()
+            return self._round_cv.wait_for(lambda: self._rounds_ended >= want, timeout_s)
+
     # ---- results ----
     def take_results(self) -> Results:
         with self._results_cv:
@@ -228,7 +252,13 @@ class Endpoint:
     def _serve(self, interval: float) -> None:
         usage = Usage(self.metrics, self.role)
         while not self._stop.is_set():
+            with self._round_cv:
+                self._rounds_begun += 1
+                begun = self._rounds_begun
             active = self._round()
+            with self._round_cv:
+                self._rounds_ended = begun
+                self._round_cv.notify_all()
             usage.round()
             interval = next_wait(self.cfg, self._load(active), interval)
             self._wake.wait(interval)
@@ -278,22 +308,38 @@ class Endpoint:
             receiving=bool(self.peers.fetching or (self.consumer and self.consumer.expected)),
             pending=any(self._last_pending.values()),  # this round's, handshakes included
             connecting=time.monotonic() < self._contact_until,
+            driven=self._driven(),
         )
+
+    def _driven(self) -> bool:
+        """A consumer whose engine steps run its rounds (round_now) lately, with no handshake under way
+        (a metadata fetch completes on this thread's polls, not on steps)."""
+        if self.role != "consumer" or self.cfg.consumer_rounds != "step" or self.peers.fetching:
+            return False
+        return time.monotonic() - self._stepped_at < DRIVEN_FOR_S
 
     def _round(self) -> bool:
         now = time.monotonic()
         actions: list[A.Action] = []
+        came_in = False
         while True:
             try:
                 command, key = self._commands.get_nowait()
             except queue.Empty:
                 break
+            came_in = True
             try:
                 actions += command(now)
             except Exception as exc:  # one request's bad input fails that request, never the thread
                 self._fail_key(key, f"rejected: {exc}")
         active = bool(actions)
         actions += self._read_notifs(now)
+        quiet = not (came_in or actions or self.writes or self.peers.fetching)
+        if quiet and now < self._next_full_round:
+            # Nothing came in and nothing is in flight: a poll (most rounds of a busy decode). Timers,
+            # pending counts and pruning wait for the next full round, at most FULL_ROUND_S away.
+            return False
+        self._next_full_round = now + FULL_ROUND_S
         actions += self._check_writes(now)
         active |= self.peers.finish(self.transport)
         core = self.producer or self.consumer

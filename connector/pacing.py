@@ -8,6 +8,9 @@ registration), and `idle_tick_s` with nothing pending at all. Idle, nothing that
 answer before a command wakes the thread anyway: a registration waits for its prefill to finish, a
 notice for its expectation; the one exception, a peer completing its NIXL (UCX) connection after it
 fetched our metadata, is covered by a polling window that the side channel opens (`connecting`).
+A consumer whose engine steps run its rounds (`driven`, config `consumer_rounds: step`) polls on its
+own only every `poll_max_s`, as a backstop: a Done notice read between two steps changes nothing
+before the next step, and each wake-up in between preempts decode's forward pass on its core.
 """
 
 from __future__ import annotations
@@ -30,11 +33,16 @@ class Load:
     receiving: bool  # consumer: receives expected, or a handshake under way
     pending: bool  # anything at all in the protocol core's maps
     connecting: bool  # a peer fetched our metadata recently and may still be connecting
+    driven: bool = False  # consumer: engine steps run its rounds; no handshake under way
 
 
 def next_wait(cfg: KvferryConfig, load: Load, interval: float) -> float:
     """Seconds to sleep before the next round (commands and kicks wake the thread sooner)."""
-    if load.active or load.writing:
+    if load.writing:
+        return cfg.poll_min_s
+    if load.driven and not load.connecting:
+        return cfg.poll_max_s
+    if load.active:
         return cfg.poll_min_s
     if not (load.pending or load.receiving or load.connecting):
         return cfg.idle_tick_s

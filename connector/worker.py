@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
+# consumer_rounds: step: how long a step waits for the round it asked for (a round takes well under
+# 1 ms; a slower one's results come at the next step instead of holding this one)
+STEP_ROUND_WAIT_S = 0.002
 
 
 def _record_event() -> Any:
@@ -238,8 +241,11 @@ class KvferryWorker:
         if self.endpoint.dead:  # never serve on with a transfer thread gone: fail the engine loudly
             raise RuntimeError(f"kvferry endpoint thread died ({self.endpoint.dead}); restart this engine")
         self._release_gated()
-        if self._req_of or self._gated:
-            self.endpoint.kick()  # something is in flight: progress it at this step's cadence
+        if self._req_of or self._gated:  # something is in flight: progress it at this step's cadence
+            if not self.is_producer and self.cfg.consumer_rounds == "step":
+                self.endpoint.round_now(STEP_ROUND_WAIT_S)  # this step takes what the round found
+            else:
+                self.endpoint.kick()
         r = self.endpoint.take_results()
         for key in r.sent + [k for k, _ in r.released]:
             if (req := self._req_of.pop(key, None)) is not None:

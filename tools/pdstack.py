@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 import httpx
 import yaml
 from kvferry.router.promtext import metric_sum, parse_metrics
-from kvferry.tools.serve import ServerSpec, VllmProcess, _descendants, free_port
+from kvferry.tools.serve import ServerSpec, VllmProcess, _descendants, free_port, parse_cores, pin_tree
 
 CONNECTORS = {"vllm-pull": "NixlConnector", "vllm-push": "NixlPushConnector", "kvferry": "KvferryConnector"}
 ENGINE_ROLES = ("prefill", "decode")
@@ -126,13 +127,21 @@ class RouterProcess:
                 self.proc.wait(10)
 
 
-def add_pin_argument(parser: argparse.ArgumentParser) -> None:
+LOAD_ON = {"anywhere": "", "prefill": "0"}  # --load-on: the cores of the router and the client
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     """The P/D benches' --pin: whole (PdStack.pin_whole) or worker (the pinning of results before
-    2026-12-03 15:40)."""
+    2026-12-03 15:40); and --load-on: where the router and the client run (PdStack.load_cores)."""
     parser.add_argument(
         "--pin", choices=("whole", "worker"), default="whole",
         help="whole: each engine's processes all on its cores, as a pod's CPU set holds them; worker: "
         "only its worker (API server and engine core free to run on the other engine's core)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--load-on", choices=tuple(LOAD_ON), default="anywhere",
+        help="anywhere: the router and the client run wherever the OS puts them, decode's core too; "
+        "prefill: on prefill's core, so decode's core holds decode alone, as on its own node",
     )  # fmt: skip
 
 
@@ -156,6 +165,10 @@ class PdStack:
     # every process of an engine on its core (a pod's CPU set), not only its worker: without it a
     # role's API server and engine core also run on the other role's core (bench/pd_ttft_breakdown.py)
     pin_whole: bool = False
+    # the router's cores ("": anywhere); the benches run their client there too (client_here). On two
+    # cores, anywhere puts the router and the client on decode's core too: its inter-token gaps then
+    # measure them (bench/results/pd_ab_16_rig.md)
+    load_cores: str = ""
     prefill: VllmProcess | None = None
     decode: VllmProcess | None = None
     router: RouterProcess | None = None
@@ -212,19 +225,40 @@ class PdStack:
             # NIXL's worker init re-pins the model thread to the last core; put each back on its own.
             self.prefill.pin(self.pin_whole)
             self.decode.pin(self.pin_whole)
-            self.router = RouterProcess(self.router_config(), self.workdir).start()
+            self.router = self._router()
             self.warm_up()
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _router(self) -> RouterProcess:
+        router = RouterProcess(self.router_config(), self.workdir).start()
+        if self.load_cores:
+            assert router.proc is not None
+            pin_tree(router.proc.pid, parse_cores(self.load_cores))
+        return router
+
+    @contextlib.contextmanager
+    def client_here(self) -> Iterator[None]:
+        """Run the calling thread on load_cores meanwhile: a bench's client, in process or started from
+        it (a child inherits its parent's cores)."""
+        cores = parse_cores(self.load_cores) if self.load_cores else None
+        before = os.sched_getaffinity(0)
+        if cores:
+            os.sched_setaffinity(0, cores)
+        try:
+            yield
+        finally:
+            if cores:
+                os.sched_setaffinity(0, before)
+
     def reroute(self, deadlines: dict[str, float], router_extra: dict[str, Any] | None = None) -> None:
         """Replace the router with one of these deadlines and keys; the engines stay as they are."""
         if self.router is not None:
             self.router.stop()
         self.deadlines, self.router_extra = dict(deadlines), dict(router_extra or {})
-        self.router = RouterProcess(self.router_config(), self.workdir).start()
+        self.router = self._router()
 
     def revive(self, idle_timeout_s: float = 60.0) -> None:
         """A live, idle pair, whatever ran before: paused engines resumed, exited ones restarted (and

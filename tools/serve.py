@@ -202,6 +202,22 @@ def _stat_fields(pid: int | str) -> list[str] | None:
         return None
 
 
+def pin_tree(pid: int, cores: set[int], only: str = "") -> int:
+    """Move every thread of a process and its descendants (only: those whose name contains it) onto
+    `cores`; returns threads moved."""
+    moved = 0
+    for p in [pid, *_descendants(pid)]:
+        try:
+            if only and only not in Path(f"/proc/{p}/comm").read_text():
+                continue
+            for task in Path(f"/proc/{p}/task").iterdir():
+                os.sched_setaffinity(int(task.name), cores)
+                moved += 1
+        except (OSError, ValueError):
+            continue  # a thread or process ended meanwhile
+    return moved
+
+
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
@@ -290,17 +306,7 @@ class VllmProcess:
         server and engine core too, as a pod's CPU set would hold them) onto spec.cores; returns
         threads moved."""
         assert self.proc is not None
-        cores, moved = parse_cores(self.spec.cores), 0
-        for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
-            try:
-                if not whole and "Worker" not in Path(f"/proc/{pid}/comm").read_text():
-                    continue
-                for task in Path(f"/proc/{pid}/task").iterdir():
-                    os.sched_setaffinity(int(task.name), cores)
-                    moved += 1
-            except (OSError, ValueError):
-                continue  # a thread or process ended meanwhile
-        return moved
+        return pin_tree(self.proc.pid, parse_cores(self.spec.cores), only="" if whole else "Worker")
 
     def cpu_seconds(self) -> float:
         """CPU time (user + system) used so far by the server and all its children."""

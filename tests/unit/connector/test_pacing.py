@@ -31,3 +31,11 @@ def test_receives_back_off_to_8x_the_minimum_other_pending_work_to_the_maximum()
 
 def test_a_connecting_peer_is_polled_even_with_nothing_pending():
     assert next_wait(CFG, replace(IDLE, connecting=True), 1.0) == 0.01
+
+
+def test_a_consumer_driven_by_engine_steps_polls_on_its_own_only_as_a_backstop():
+    driven = replace(IDLE, receiving=True, pending=True, driven=True)
+    assert next_wait(CFG, driven, 0.0002) == 0.01
+    assert next_wait(CFG, replace(driven, active=True), 0.0002) == 0.01  # the next step takes the news
+    assert next_wait(CFG, replace(driven, connecting=True, active=True), 1.0) == 0.0002  # a peer wires up
+    assert next_wait(CFG, replace(driven, writing=True), 0.01) == 0.0002
