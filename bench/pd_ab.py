@@ -87,12 +87,12 @@ def one(
             if warmup:  # 0: measure the fresh stack (its first requests at this rate)
                 with stack.client_here():  # the client process inherits these cores
                     vllmbench.run_cell(stack.url, model, LENGTH, rate, warmup, MAX_TOKENS, 900)
-            d0, r0, c0 = stack.decode.metrics(), stack.router.metrics(), _cpu()
+            d0, r0, c0, m0 = stack.decode.metrics(), stack.router.metrics(), _cpu(), stack.prefill.metrics()
             p0, dt0 = stack.prefill.cpu_seconds(), stack.decode.cpu_seconds()
             with stack.client_here():
                 cell = vllmbench.run_cell(stack.url, model, LENGTH, rate, requests, MAX_TOKENS, 900)
             p1, dt1 = stack.prefill.cpu_seconds(), stack.decode.cpu_seconds()
-            d1, r1, c1 = stack.decode.metrics(), stack.router.metrics(), _cpu()
+            d1, r1, c1, m1 = stack.decode.metrics(), stack.router.metrics(), _cpu(), stack.prefill.metrics()
         finally:
             stack.stop()
     grew = lambda a, b, name: metric_sum(b, name) - metric_sum(a, name)  # noqa: E731
@@ -103,6 +103,8 @@ def one(
         "shed": sum(shed_by.values()), "shed_by": shed_by, "steal": steal_fraction(c0, c1),
         "errors": list(cell.errors[:3]),
         "p_cpu_ms_per_request": 1000 * (p1 - p0) / requests,
+        "p_rounds_per_request": grew(m0, m1, "kvferry_endpoint_rounds_total") / requests,
+        "p_endpoint_cpu_ms_per_request": 1000 * grew(m0, m1, "kvferry_endpoint_cpu_seconds_total") / requests,
         "d_cpu_ms_per_request": 1000 * (dt1 - dt0) / requests,
         "d_rounds_per_request": grew(d0, d1, "kvferry_endpoint_rounds_total") / requests,
         "d_endpoint_cpu_ms_per_request": 1000 * grew(d0, d1, "kvferry_endpoint_cpu_seconds_total") / requests,
@@ -118,6 +120,8 @@ COLUMNS = (  # (header, key, format, compared with pull)
     ("shed", "shed", ".0f", False),
     ("host steal", "steal", ".1%", False),
     ("P CPU ms / request", "p_cpu_ms_per_request", ".1f", True),  # the whole server: API, engine, worker
+    ("P wake-ups / request", "p_rounds_per_request", ".1f", False),  # kvferry's endpoint thread
+    ("P endpoint CPU ms / request", "p_endpoint_cpu_ms_per_request", ".2f", False),
     ("D CPU ms / request", "d_cpu_ms_per_request", ".1f", True),
     ("D wake-ups / request", "d_rounds_per_request", ".1f", False),
     ("D endpoint CPU ms / request", "d_endpoint_cpu_ms_per_request", ".2f", False),

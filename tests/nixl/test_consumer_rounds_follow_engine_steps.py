@@ -7,6 +7,7 @@ value, the wake-ups come from the endpoint's own kvferry_endpoint_rounds metric.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from kvferry.connector.config import KvferryConfig
@@ -51,6 +52,8 @@ def test_steps_run_the_consumers_rounds_and_take_the_kv_that_landed(consumer_rou
                     producer_port=prod.side_port, producer_tp=1, block_ids=[BLOCKS], num_tokens=TOKENS,
                     deadline_s=20.0)  # fmt: skip
         wait_until(lambda: not cons.peers.fetching and cons.consumer.expected, "the handshake", 10, 0.01)
+        # named in the OS too: its CPU is told apart from vLLM's worker thread (top -H, /proc)
+        assert Path(f"/proc/self/task/{cons._thread.native_id}/comm").read_text().strip() == "kvferry-consume"
         # No engine steps (a demo, or an engine that stopped stepping): the receive is polled.
         self_polled, _, _ = wake_ups(cons, 1.0, None)
         assert self_polled >= 300, f"{self_polled} rounds in 1 s polling a pending receive"

@@ -43,7 +43,8 @@ def row(rnd: int, variant: str, ttft: float, rate: float) -> dict:
         "round": rnd, "variant": variant, "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft, "tpot_p50_ms": 5.0,
         "req_per_s": rate, "failed": 0, "shed": 0, "steal": 0.0, "d_rounds_per_request": 1.0,
         "p_cpu_ms_per_request": 30.0, "d_cpu_ms_per_request": 20.0,
-        "d_endpoint_cpu_ms_per_request": 0.5,
+        "d_endpoint_cpu_ms_per_request": 0.5, "p_rounds_per_request": 3.0,
+        "p_endpoint_cpu_ms_per_request": 0.4,
     }  # fmt: skip
 
 
