@@ -189,9 +189,9 @@ def main() -> int:
     variants = [Variant("pull", "vllm-pull"), Variant("kvferry", "kvferry"), *args.variant]
     model = ensure("llama")
     rows = []
+    whole, load = args.pin == "whole", LOAD_ON[args.load_on]
     for rnd in range(args.rounds):
         for v in variants:
-            whole, load = args.pin == "whole", LOAD_ON[args.load_on]
             cell = one(model, v, args.rate, args.requests, args.warmup, whole, load)
             row = {"round": rnd, "variant": v.name, **cell}
             print(row, flush=True)

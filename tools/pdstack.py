@@ -127,7 +127,8 @@ class RouterProcess:
                 self.proc.wait(10)
 
 
-LOAD_ON = {"anywhere": "", "prefill": "0"}  # --load-on: the cores of the router and the client
+ROLE_CORES = {"prefill": "0", "decode": "1"}  # each engine's core
+LOAD_ON = {"anywhere": "", "prefill": ROLE_CORES["prefill"]}  # --load-on: the router's and client's cores
 
 
 def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
@@ -217,8 +218,8 @@ class PdStack:
     def start(self, ready_timeout_s: float = 600.0) -> PdStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
-            self.prefill = self._server("prefill", "0", self.prefill_block_size).start()
-            self.decode = self._server("decode", "1", self.decode_block_size).start()
+            self.prefill = self._server("prefill", ROLE_CORES["prefill"], self.prefill_block_size).start()
+            self.decode = self._server("decode", ROLE_CORES["decode"], self.decode_block_size).start()
             # The router config is written after both are healthy: a lost port race may re-pick ports.
             self.prefill.wait_ready(ready_timeout_s, new_ports=True)
             self.decode.wait_ready(ready_timeout_s, new_ports=True)
