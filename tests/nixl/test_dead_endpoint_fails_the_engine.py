@@ -32,6 +32,8 @@ def test_a_dead_endpoint_thread_fails_the_engine_loudly(monkeypatch):
         assert wait_until(lambda: ep.dead, "the endpoint thread to die", 10, 0.05) == (
             "RuntimeError: a bug in the round"
         )
+        # `dead` is set just before the thread returns: wait (bounded) for the exit itself, not a race.
+        ep._thread.join(10)
         assert not ep._thread.is_alive()
         worker = KvferryWorker.__new__(KvferryWorker)  # only the step hook is exercised
         worker.endpoint = ep
