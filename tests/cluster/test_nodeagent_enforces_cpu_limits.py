@@ -2,9 +2,11 @@
 container's own cgroup, joined before the command execs, so every process it forks shares the limit.
 
 A pod with two busy-looping containers: `quarter` (limit 250m, two busy processes: the second forked
-by the first) and `half` (limit "0.5", one process). The CPU each container's processes used, read
-from /proc over a few seconds, must be about a quarter and a half of a core; unlimited, either would
-use a whole core per process. Deleting the pod removes its cgroups.
+by the first) and `half` (limit "0.5", one process). A quota is an upper bound, so that is what is
+asserted: the CPU each container's processes used, read from /proc over a window, is at most about a
+quarter and a half of a core (unlimited, either would take up to a whole core per process), and each
+cgroup's cpu.stat shows the quota acted (nr_throttled grew). No lower bound: a busy host may give a
+container less than its limit. Deleting the pod removes its cgroups.
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ def _group_cpu_s(pgid: int) -> tuple[float, list[int]]:
     return total / os.sysconf("SC_CLK_TCK"), pids
 
 
+def _throttled(group: Path) -> int:
+    """Periods in which the cgroup's quota ran out (cpu.stat's nr_throttled, the same key in v1 and v2)."""
+    stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines() if line.strip())
+    return int(stat["nr_throttled"])
+
+
 def test_cpu_limits_hold_a_containers_processes_to_their_quota(agent_node, admin_api, namespace):
     node, agent = agent_node
     assert agent.limits is not None and agent.limits.available, agent.limits and agent.limits.reason
@@ -89,20 +97,30 @@ def test_cpu_limits_hold_a_containers_processes_to_their_quota(agent_node, admin
         text = (pod_dir / name / ("cpu.cfs_quota_us" if hier.version == 1 else "cpu.max")).read_text()
         assert text.split()[0] == expect, (name, text)
 
-    wait_until(lambda: len(_group_cpu_s(pgids["quarter"])[1]) == 2, "quarter's second process", 15)
-    time.sleep(1.0)  # past start-up
-    before = {name: _group_cpu_s(pgid)[0] for name, pgid in pgids.items()}
+    wait_until(lambda: len(_group_cpu_s(pgids["quarter"])[1]) == 2, "quarter's second process", 60)
+    # The window's wall time is taken outside the CPU reads, so the share can only be under-estimated.
     t0 = time.monotonic()
+    before = {name: _group_cpu_s(pgid)[0] for name, pgid in pgids.items()}
+    throttled0 = {name: _throttled(pod_dir / name) for name in pgids}
     time.sleep(WINDOW_S)
+    # The quota acted: each cgroup ran out of it in some periods (a loaded host makes that rarer, so
+    # wait for it, bounded, rather than expect it within the window).
+    grown = wait_until(
+        lambda: {name: _throttled(pod_dir / name) - throttled0[name] for name in pgids},
+        "each container's cgroup throttled by its quota",
+        120,
+        until=lambda d: all(n >= 3 for n in d.values()),
+    )
     used = {name: _group_cpu_s(pgid)[0] - before[name] for name, pgid in pgids.items()}
-    share = {name: cpu / (time.monotonic() - t0) for name, cpu in used.items()}
-    print(f"CPU share per container over {WINDOW_S:.0f} s: {share}")
+    wall = time.monotonic() - t0
+    share = {name: cpu / wall for name, cpu in used.items()}
+    print(f"CPU share per container over {wall:.1f} s: {share}; throttled periods: {grown}")
     # Both of quarter's processes are in its cgroup (the fork inherited it), and nothing else is.
     members = set(cgroups.ContainerCgroup(pod_dir / "quarter", 250).pids())
     assert members == set(_group_cpu_s(pgids["quarter"])[1])
-    # Unlimited: ~2.0 (two busy processes, two cores) and ~1.0; the quota allows 0.25 and 0.5.
-    assert 0.15 <= share["quarter"] <= 0.35, share
-    assert 0.35 <= share["half"] <= 0.65, share
+    # Unlimited: up to ~2.0 (two busy processes, two cores) and ~1.0; the quota allows 0.25 and 0.5.
+    assert share["quarter"] <= 0.35, share
+    assert share["half"] <= 0.65, share
 
     core.delete_namespaced_pod("busy", namespace)
     wait_until(lambda: not pod_dir.exists(), "the pod's cgroups removed", 30)
