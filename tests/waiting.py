@@ -41,6 +41,32 @@ def wait_until(
     return poll.value
 
 
+def wait_while_progressing(
+    probe: Callable[[], T],
+    what: str,
+    progress: Callable[[], object],
+    stall_s: float,
+    timeout_s: float = 600.0,
+    interval_s: float = 0.2,
+    *,
+    until: Callable[[T], object] = bool,
+    ignore: tuple[type[BaseException], ...] = (),
+) -> T:
+    """`wait_until` bounded by progress, not by a guess of how fast a busy host is: keep polling while
+    `progress()` (a count of work done: requests completed, restarts, ...) changes; fail when it has not
+    changed for `stall_s`, or after `timeout_s` in all."""
+    poll = _Poll(probe, what, timeout_s, until, ignore)
+    seen, moved = progress(), time.monotonic()
+    while not poll.done():
+        now, current = time.monotonic(), progress()
+        if current != seen:
+            seen, moved = current, now
+        elif now - moved > stall_s:
+            raise WaitTimeout(f"no progress for {stall_s:g} s (still {seen!r}) while waiting for {what}")
+        time.sleep(interval_s)
+    return poll.value
+
+
 async def wait_until_async(
     probe: Callable[[], T],
     what: str,

@@ -10,11 +10,13 @@ end within their deadline, and the status recovers to healthy.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +33,7 @@ from kvferry.local.nodeagent import image
 from kvferry.local.nodeagent.kube import KubeError
 from kvferry.router.promtext import metric_sum, parse_metrics
 
-from tests.waiting import wait_until
+from tests.waiting import wait_until, wait_while_progressing
 
 # Setup runs a single vLLM, then the control plane and two vLLM pods: minutes on two busy cores.
 pytestmark = [pytest.mark.e2e, pytest.mark.cluster, pytest.mark.timeout(1800)]
@@ -203,30 +205,49 @@ def test_killed_prefill_process_restarts_and_status_recovers(stack: Stack, route
     status = prefill["status"]["containerStatuses"][0]
     pid, restarts = int(status["containerID"].rsplit("/", 1)[1]), status["restartCount"]
     failures_before = int(_transfer(stack).get("failures") or 0)
-    prompts = fixed_prompts(8, seed=11)
+    prompts = itertools.cycle(fixed_prompts(8, seed=11))
+    stop = threading.Event()
+    results: list[tuple[bool, float, float]] = []  # (ok, seconds, when it was sent)
 
-    def one(text: str) -> tuple[bool, float]:
-        t0 = time.monotonic()
-        try:
-            with httpx.Client() as client:
-                complete(client, router, text)
-            return True, time.monotonic() - t0
-        except httpx.HTTPError:
-            return False, time.monotonic() - t0
+    def load() -> None:
+        # Requests one after another until the kill, so some are in flight whenever the probe looks,
+        # however slowly a busy host runs the probe or the requests.
+        with httpx.Client() as client:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    complete(client, router, next(prompts))
+                    results.append((True, time.monotonic() - t0, t0))
+                except httpx.HTTPError:
+                    results.append((False, time.monotonic() - t0, t0))
 
     with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = [pool.submit(one, p) for p in prompts]
-        wait_until(lambda: _in_flight(router), "requests in flight through the router", 60, 0.05)
+        futures = [pool.submit(load) for _ in range(4)]
+        try:
+            wait_while_progressing(
+                lambda: _in_flight(router),
+                "requests in flight through the router",
+                progress=lambda: len(results),
+                stall_s=REQUEST_TIMEOUT_S + 30,
+                interval_s=0.05,
+            )
+        finally:
+            stop.set()
         os.killpg(pid, signal.SIGKILL)
-        results = [f.result(timeout=REQUEST_TIMEOUT_S + 30) for f in futures]
-    assert all(elapsed < REQUEST_TIMEOUT_S + 5 for _, elapsed in results), results
+        killed_at = time.monotonic()
+        for f in futures:
+            f.result(timeout=REQUEST_TIMEOUT_S + 30)
+    assert all(elapsed < REQUEST_TIMEOUT_S + 5 for _, elapsed, _ in results), results
+    # Requests sent after the kill (one per worker at most, racing the stop) meet no prefill and are
+    # refused by the router: no transfer of theirs was lost.
+    sent_before_kill = [ok for ok, _, sent in results if sent < killed_at]
 
     def restarted() -> bool:
         pods = [p for p in stack.pods(NS, "kvferry.io/role=prefill") if pod_ready(p)]
         return bool(pods) and pods[0]["status"]["containerStatuses"][0]["restartCount"] > restarts
 
     wait_until(restarted, "prefill container restarted and Ready again", PODS_READY_S, ignore=(KubeError,))
-    if not all(ok for ok, _ in results):
+    if not all(sent_before_kill):
         # A request that lost its prefill shows up as a failed transfer (from the decode side).
         wait_until(
             lambda: int(_transfer(stack).get("failures") or 0) > failures_before,
@@ -250,4 +271,10 @@ def test_killed_prefill_process_restarts_and_status_recovers(stack: Stack, route
         STATUS_S,
         ignore=(KubeError,),
     )
-    print("in-flight results (ok, seconds):", results, "status.transfer:", _transfer(stack), file=sys.stderr)
+    print(
+        "in-flight results (ok, seconds, sent):",
+        results,
+        "status.transfer:",
+        _transfer(stack),
+        file=sys.stderr,
+    )

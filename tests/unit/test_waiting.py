@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from tests.waiting import WaitTimeout, wait_until, wait_until_async
+from tests.waiting import WaitTimeout, wait_until, wait_until_async, wait_while_progressing
 
 
 def test_returns_the_first_truthy_value() -> None:
@@ -49,6 +49,18 @@ def test_ignored_exceptions_mean_not_yet_and_are_reported() -> None:
 def test_other_exceptions_propagate() -> None:
     with pytest.raises(ZeroDivisionError):
         wait_until(lambda: 1 / 0, "a division", 5, ignore=(ConnectionError,))
+
+
+def test_a_progressing_wait_goes_on_while_work_moves_and_fails_when_it_stalls() -> None:
+    done = itertools.count()  # each poll completes one more request: progress past any stall_s
+    polls = iter(range(10**6))
+    assert wait_while_progressing(
+        lambda: next(polls) >= 20, "twenty polls", lambda: next(done), 0.0, 5, 0.001
+    )
+    with pytest.raises(WaitTimeout, match=r"no progress for 0.05 s \(still 7\) while waiting for in-flight"):
+        wait_while_progressing(lambda: 0, "in-flight", lambda: 7, 0.05, 5, 0.01)
+    with pytest.raises(WaitTimeout, match=r"after 0.05 s waiting for never"):
+        wait_while_progressing(lambda: 0, "never", lambda: next(done), 5, 0.05, 0.01)
 
 
 def test_the_async_poll_lets_the_loop_run_between_probes() -> None:
