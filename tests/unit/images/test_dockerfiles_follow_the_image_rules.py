@@ -3,7 +3,8 @@ what runs there.
 
 No Docker engine runs here, so the build itself is not run; the lint is real (hadolint from PyPI), the
 operator image's install is resolved for real against the package index, and each image's prune step
-(images/prune.py, with the Dockerfile's own arguments) runs on a copy of the installed package.
+(images/prune.py, with the Dockerfile's own arguments) runs on the built wheel's files (tests/wheel
+runs it in an environment the wheel is installed into).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import grimp
@@ -25,6 +27,7 @@ from kvferry.operator.render.objects import render
 from kvferry.tools import inject
 
 from tests.unit.operator.cases import make_inference
+from tests.wheel import wheelkit
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCKERFILES = sorted((ROOT / "images").glob("*/Dockerfile"))
@@ -143,7 +146,7 @@ def test_build_context_holds_every_package_folder_and_nothing_else() -> None:
     ]
     assert lines[0] == "*", "allow-list: the context is only what the builds read"
     allowed = {line[1:] for line in lines if line.startswith("!")}
-    assert allowed == {"pyproject.toml", "README.md", "images/prune.py", *PACKAGE_DIRS.values()}
+    assert allowed == {"pyproject.toml", "setup.py", "README.md", "images/prune.py", *PACKAGE_DIRS.values()}
 
 
 def test_operator_image_installs_no_engine_stack(tmp_path: Path) -> None:
@@ -209,11 +212,10 @@ def test_engine_image_keeps_exactly_what_vllm_loads() -> None:
 
 
 def _installed_copy(site: Path) -> Path:
-    """kvferry as `pip install` lays it out in site-packages: each package-dir folder under kvferry/."""
-    for package, folder in PACKAGE_DIRS.items():
-        shutil.copytree(
-            ROOT / folder, site / package.replace(".", "/"), ignore=shutil.ignore_patterns("__pycache__")
-        )
+    """kvferry as `pip install` of the built wheel lays it out in site-packages: the wheel's kvferry/
+    files, so a package the wheel leaves out is missing here too (tests/wheel installs it for real)."""
+    with zipfile.ZipFile(wheelkit.built_wheel()) as whl:
+        whl.extractall(site, [name for name in whl.namelist() if name.startswith("kvferry/")])
     return site
 
 
