@@ -91,9 +91,9 @@ def test_http_server_pod_becomes_ready_on_its_own_ip_and_stops_on_delete(agent_n
     assert _alive(pid)
 
     core.delete_namespaced_pod("web", namespace)
-    wait_until(lambda: not _alive(pid), "the pod's process to exit", timeout_s=15)
+    wait_until(lambda: not _alive(pid), "the pod's process to exit", timeout_s=60)
     names = lambda: [p.metadata.name for p in core.list_namespaced_pod(namespace).items]  # noqa: E731
-    wait_until(lambda: "web" not in names(), "pod web removed from the API", timeout_s=15)
+    wait_until(lambda: "web" not in names(), "pod web removed from the API", timeout_s=60)
 
 
 @pytest.mark.parametrize(("policy", "restarts"), [("Always", True), ("Never", False)])

@@ -29,7 +29,7 @@ def test_a_dead_endpoint_thread_fails_the_engine_loudly(monkeypatch):
 
         monkeypatch.setattr(ep.consumer, "tick", broken)
         ep.kick()
-        assert wait_until(lambda: ep.dead, "the endpoint thread to die", 10, 0.05) == (
+        assert wait_until(lambda: ep.dead, "the endpoint thread to die", 30, 0.05) == (
             "RuntimeError: a bug in the round"
         )
         # `dead` is set just before the thread returns: wait (bounded) for the exit itself, not a race.

@@ -121,10 +121,10 @@ def test_a_write_stuck_past_the_consumers_deadline_fences_the_producer_and_never
     words = len(blocks) * 16 * 8 * 2 * 16 * 128
     # What the resumed producer's last progress call had put in the socket buffers lands when D's side
     # drains them (CI once saw 8 MB land in the second after the fence was read): wait for that to
-    # settle, then nothing more may land. Unfenced, the producer keeps pushing and this never settles
-    # within the bound below.
+    # settle, then nothing more may land. Unfenced, the rest lands too (the assertion after this
+    # catches it); the bound is generous because a busy host drains the buffers slowly.
     after = cons.call("mismatches", blocks, tokens)
-    for _ in range(5):
+    for _ in range(30):
         time.sleep(1.0)
         if (now := cons.call("mismatches", blocks, tokens)) == after:
             break

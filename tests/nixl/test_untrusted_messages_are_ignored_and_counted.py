@@ -51,7 +51,7 @@ def wait_rejected(proc, reason: str, at_least: float) -> float:
     return wait_until(
         lambda: rejected(proc.call("metrics"), reason),
         f"{at_least:g} {reason} rejections",
-        timeout_s=10,
+        timeout_s=60,
         interval_s=0.1,
         until=lambda n: n >= at_least,
     )

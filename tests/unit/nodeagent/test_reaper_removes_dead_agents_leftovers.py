@@ -5,17 +5,25 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 
 from kvferry.local.nodeagent import reaper
 from kvferry.local.nodeagent.cgroups import CpuLimits
 from kvferry.local.nodeagent.netns import NodeNetwork
+
+from tests.waiting import wait_until
 
 
 def _dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
     return proc.pid
+
+
+def _in_namespace(pid: int, ns_path: str) -> bool:
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(ns_path).st_ino
+    except OSError:
+        return False
 
 
 def _link_exists(name: str) -> bool:
@@ -37,10 +45,12 @@ def test_a_dead_agents_namespace_and_its_pods_go_and_a_live_agents_stay() -> Non
     live = NodeNetwork(f"kvf-reaptest-{orphan.pid}", "10.219.8.0/29")  # owner pid running
     live.setup("10.219.8.1")
     try:
-        time.sleep(0.2)  # nsenter has exec'd sleep inside the namespace
+        wait_until(
+            lambda: _in_namespace(orphan.pid, dead.ns_path), "the orphan inside the namespace", 30, 0.02
+        )
         removed = reaper.reap()
         assert f"netns {dead.ns}" in removed and f"netns {live.ns}" not in removed
-        assert orphan.wait(timeout=5) == -9  # killed: a namespace lives while a process is in it
+        assert orphan.wait(timeout=30) == -9  # killed: a namespace lives while a process is in it
         assert not os.path.exists(dead.ns_path)
         assert not _link_exists(dead.host_if)  # the veth holding the subnet's node IP is gone
         assert os.path.exists(live.ns_path) and _link_exists(live.host_if)
@@ -57,14 +67,10 @@ def test_a_dead_agents_cgroup_and_its_processes_go() -> None:
     group = limits.group("uid1", "main", 250)
     proc = subprocess.Popen(group.wrap(["sleep", "300"]))
     try:
-        for _ in range(100):
-            if group.pids():
-                break
-            time.sleep(0.02)
-        assert group.pids() == [proc.pid]
+        assert wait_until(group.pids, "the process in its cgroup", 30, 0.02) == [proc.pid]
         removed = reaper.reap()
         assert f"cgroup {limits.base}" in removed
-        assert proc.wait(timeout=5) == -9 and not limits.base.exists()
+        assert proc.wait(timeout=30) == -9 and not limits.base.exists()
     finally:
         if proc.poll() is None:
             proc.kill()
