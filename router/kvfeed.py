@@ -8,12 +8,20 @@ into the router's block keys; this module only moves frames. Every wait is bound
 not end within REPLAY_TIMEOUT_S is abandoned (the index then under-counts, which costs reuse, never
 correctness) and the live stream goes on. The feed follows the pool: engines that leave it are
 unsubscribed and their keys forgotten with the rest of the index.
+
+The publisher is a peer, so what it can cost the router is bounded: frames past MAX_FRAME_BYTES are
+refused by ZMQ before they are buffered (the connection is reset; the next frame shows a gap), at most
+RCVHWM frames wait per socket, and a batch is applied in slices (kvevents.SLICE_UNITS blocks) with the
+event loop served between them, so a batch of any size delays a client request by one slice at most.
+Frames that cannot be read, and events past a size bound, are dropped and counted
+(`kvferry_router_kv_event_dropped_total`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 
 import zmq
@@ -26,10 +34,13 @@ from kvferry.router.prefix import PrefixIndex
 log = logging.getLogger(__name__)
 
 REPLAY_TIMEOUT_S = 5.0  # per reply frame; vLLM answers a replay from memory
-# A batch is one engine step's events (KiBs); a larger frame is dropped by ZMQ before it is buffered,
-# so a broken or hostile publisher cannot make the router hold arbitrary amounts of memory.
-MAX_FRAME_BYTES = 32 << 20
+# A batch is one engine step's events (KiBs; 4 MiB is ~36k blocks, over 500k tokens in one step); a
+# larger frame is dropped by ZMQ before it is buffered, so a broken or hostile publisher cannot make
+# the router hold arbitrary amounts of memory: at most RCVHWM frames per socket, two sockets per engine.
+MAX_FRAME_BYTES = 4 << 20
+RCVHWM = 16  # frames queued per socket; the live stream backs up into the engine's own send queue
 END_SEQ = -1  # vLLM's end-of-replay marker
+WARN_EVERY_S = 60.0  # a publisher sending garbage is logged once a minute (and counted every time)
 
 
 class KvEventFeed:
@@ -39,6 +50,7 @@ class KvEventFeed:
         self.index, self.block_tokens, self.metrics = index, block_tokens, metrics
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[str, tuple[Endpoint, asyncio.Task[None]]] = {}
+        self._warned: dict[str, float] = {}
 
     def sync(self, engines: Iterable[Endpoint]) -> None:
         """Follow the engines that publish events; stop following the ones that left (or changed)."""
@@ -71,6 +83,7 @@ class KvEventFeed:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        sub.setsockopt(zmq.RCVHWM, RCVHWM)
         sub.connect(ep.kv_events)
         try:
             await self._replay(ep, state, "connect")
@@ -79,7 +92,7 @@ class KvEventFeed:
                 try:
                     await self._live(ep, state, frames)
                 except kvevents.EventError as exc:
-                    log.warning("kv events of %s: %s", ep.engine_id, exc)
+                    self._drop(ep, "malformed", exc)
         except asyncio.CancelledError:
             raise
         except Exception:  # never a quietly dead task: say so; the next pool sync starts it again
@@ -99,7 +112,7 @@ class KvEventFeed:
             await self._replay(ep, state, "restart")
         elif state.gap(seq):
             await self._replay(ep, state, "gap")
-        self._apply(ep, state, seq, kvevents.decode(frames[2]), live=True)
+        await self._apply(ep, state, seq, frames[2], live=True)
 
     async def _replay(self, ep: Endpoint, state: kvevents.EngineBlocks, reason: str) -> None:
         """Every buffered batch from state.next_seq on, until vLLM's end marker or a bounded wait."""
@@ -109,6 +122,7 @@ class KvEventFeed:
         req = self._ctx.socket(zmq.DEALER)
         req.setsockopt(zmq.LINGER, 0)
         req.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        req.setsockopt(zmq.RCVHWM, RCVHWM)
         req.connect(ep.kv_events_replay)
         try:
             await req.send_multipart([b"", state.next_seq.to_bytes(kvevents.SEQ_BYTES, "big")])
@@ -119,21 +133,38 @@ class KvEventFeed:
                     )
                     return
                 frames = await req.recv_multipart()  # b"", topic, seq, payload
-                if len(frames) != 4:
-                    raise kvevents.EventError(f"replay answer of {len(frames)} frames, expected 4")
-                seq = kvevents.seq_of(frames[2])
+                try:
+                    if len(frames) != 4:
+                        raise kvevents.EventError(f"replay answer of {len(frames)} frames, expected 4")
+                    seq = kvevents.seq_of(frames[2])
+                except kvevents.EventError as exc:
+                    self._drop(ep, "malformed", exc)  # the replay cannot be followed: the live stream goes on
+                    return
                 if seq == END_SEQ:
                     return
-                self._apply(ep, state, seq, kvevents.decode(frames[3]), live=False)
+                await self._apply(ep, state, seq, frames[3], live=False)
         finally:
             req.close(linger=0)
 
-    def _apply(
-        self, ep: Endpoint, state: kvevents.EngineBlocks, seq: int, batch: kvevents.Batch, live: bool
+    async def _apply(
+        self, ep: Endpoint, state: kvevents.EngineBlocks, seq: int, payload: bytes, live: bool
     ) -> None:
-        change = state.apply(seq, batch, live=live)
-        if change is None:
+        """Apply one batch to the index, a slice at a time, serving the event loop between slices."""
+        try:
+            batch = kvevents.decode(payload)
+        except kvevents.EventError as exc:
+            self._drop(ep, "malformed", exc)
+            if state.lost(seq, live):  # what it stored or evicted is unknown: forget the engine's blocks
+                self.index.cleared(ep.url)
             return
+        parts = state.slices(seq, batch, live=live)
+        if parts is None:
+            return
+        for change in parts:
+            self._index(ep, change)
+            await asyncio.sleep(0)  # one slice at a time: client requests are served in between
+
+    def _index(self, ep: Endpoint, change: kvevents.Change) -> None:
         if change.cleared:
             self.index.cleared(ep.url)
         self.index.removed(ep.url, change.removed)
@@ -145,3 +176,14 @@ class KvEventFeed:
         ):
             if n:
                 self.metrics.kv_event_blocks.labels(ep.role, what).inc(n)
+        for reason, n in (("refused", change.refused), ("unknown", change.unknown)):
+            if n:
+                self.metrics.kv_event_dropped.labels(ep.role, reason).inc(n)
+
+    def _drop(self, ep: Endpoint, reason: str, exc: Exception) -> None:
+        """Count a frame that could not be read; log it at most once a minute per engine."""
+        self.metrics.kv_event_dropped.labels(ep.role, reason).inc()
+        now = time.monotonic()
+        if now - self._warned.get(ep.url, -WARN_EVERY_S) >= WARN_EVERY_S:
+            self._warned[ep.url] = now
+            log.warning("kv events of %s: %s (dropped; counted in kv_event_dropped)", ep.engine_id, exc)

@@ -79,6 +79,12 @@ class RouterMetrics:
             "buffer: connect (first read), gap (batches missed), restart (sequence went back)",
             ["role", "reason"], registry=r,
         )  # fmt: skip
+        self.kv_event_dropped = Counter(
+            "kvferry_router_kv_event_dropped", "KV-cache event input dropped: malformed (a frame that is "
+            "not a vLLM batch, or more than kvevents.MAX_BATCH_EVENTS events), refused (an event past a "
+            "size bound: hash bytes, blocks or tokens per event), unknown (an event type this router does "
+            "not know)", ["role", "reason"], registry=r,
+        )  # fmt: skip
         self.kv_event_engines = Gauge(
             "kvferry_router_kv_event_engines", "Engines whose KV-cache events this router follows",
             ["role"], registry=r,
