@@ -41,6 +41,11 @@ UNAUTHENTICATED_PATHS = ("/health", "/livez", "/metrics", POOL_METRICS_PATH)
 # Requests shed on purpose get their own outcome label (kvferry_router_requests_total), not "error".
 SHED_OUTCOMES = ("overloaded", "recompute_budget_exhausted")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# How the app must be served (web.run_app, web.AppRunner): a client that disconnects cancels its
+# handler, so every kind of request (streamed, aggregated, plain) closes its legs, which makes vLLM
+# abort them, and frees its in-flight slots. Without it aiohttp lets a handler run on, and an
+# aggregated request decodes to max_tokens for nobody.
+SERVE_OPTIONS: dict[str, Any] = {"handler_cancellation": True, "shutdown_timeout": 15.0}
 
 CONFIG = web.AppKey("config", RouterConfig)
 STATE = web.AppKey("state", dict)
@@ -142,6 +147,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             leg = await state["dispatcher"].recompute(req, other, rid, exc, remaining)
             response, outcome = await _relay(request, leg, rid, state, started, cfg, first)
         return response
+    except asyncio.CancelledError:
+        outcome = "client_disconnect"  # the client left (SERVE_OPTIONS): the legs are closed on the way out
+        raise
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         if first is None or first.response is None:
             raise

@@ -24,14 +24,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvferry router: bad config: {exc}", file=sys.stderr)
         return 2
     from aiohttp import web
-    from kvferry.router.app import build_app
+    from kvferry.router.app import SERVE_OPTIONS, build_app
 
     host, port = args.host or cfg.host, args.port or cfg.port
     logging.getLogger(__name__).info(
         "router mode=%s policy=%s listening on %s:%d auth=%s", cfg.mode, cfg.policy, host, port,
         "on" if api_key else "off",
     )  # fmt: skip
-    web.run_app(build_app(cfg, api_key), host=host, port=port, print=None, shutdown_timeout=15)
+    web.run_app(build_app(cfg, api_key), host=host, port=port, print=None, **SERVE_OPTIONS)
     return 0
 
 

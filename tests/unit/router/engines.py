@@ -34,7 +34,9 @@ class FakeEngine:
     one token, then the connection drops, as when the engine is killed mid-answer); after_prefill (a
     P/D leg answers only once `peer` has finished the same request id, as a push D waits for its KV);
     orphaned (a P/D leg stops `peer`'s server, as a prefill process that died, and never answers, as
-    a D waiting for KV from it; plain requests are served).
+    a D waiting for KV from it; plain requests are served); endless (a P/D leg never ends: a stream
+    sends a token every 20 ms, a plain answer never comes; `closed` records the request ids whose
+    connection the router closed, as vLLM aborts a request whose client left).
     """
 
     def __init__(self, name: str, mode: str = "ok") -> None:
@@ -43,6 +45,7 @@ class FakeEngine:
         self.first_id = 0  # the token id its 1-token answer reports (the stream's first is 0)
         self.seen: list[dict[str, Any]] = []
         self.finished: list[str] = []
+        self.closed: list[str] = []
         app = web.Application()
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_post(CHAT_PATH, self.handle)
@@ -53,6 +56,8 @@ class FakeEngine:
         rid = request.headers.get("X-Request-Id", "")
         self.seen.append({"rid": rid, "body": body, "t": time.monotonic()})
         pd_leg = "kv_transfer_params" in body
+        if self.mode == "endless" and pd_leg:
+            return await self._endless(request, rid, bool(body.get("stream")))
         if self.mode == "stall" or (self.mode == "orphaned" and pd_leg):
             if self.mode == "orphaned" and self.peer is not None:
                 while rid not in self.peer.finished:  # prefill answered its leg, then died
@@ -93,6 +98,20 @@ class FakeEngine:
             "kv_transfer_params": kv,
         }
         return web.json_response(answer)
+
+    async def _endless(self, request: web.Request, rid: str, stream: bool) -> web.StreamResponse:
+        try:
+            if not stream:
+                await asyncio.sleep(3600)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(1_000_000):
+                await resp.write(sse({"choices": [{"index": 0, "text": "x", "token_ids": [i]}]}))
+                await asyncio.sleep(0.02)
+            return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.closed.append(rid)
+            raise
 
     async def _stream(
         self, request: web.Request, body: dict[str, Any], chat: bool, fail: bool = False, cut: bool = False
