@@ -1,5 +1,6 @@
-"""Operator benchmark: N CRs applied at once under kwok, the design before issue 19, the current one and
-the control plane's floor side by side in one run (each on a fresh control plane, same N, same nodes):
+"""Operator benchmark: N CRs applied at once under kwok, the current operator (also at an older git
+revision) and the control plane's floor side by side in one run (each on a fresh control plane, same
+N, same nodes):
 
 - time from the first CR's creation (8 concurrent clients) to all objects present, and to all CRs Ready;
 - full reconciles per CR (create/update/resume/resync/drift), API requests per full reconcile and per CR;
@@ -11,17 +12,17 @@ the control plane's floor side by side in one run (each on a fresh control plane
 - status lag: seconds from a transfer-metrics change of one CR (a local metrics server stands in for its
   engines, or for its router) to that CR's status showing it.
 
-"before" is the same code with KVFERRY_LEGACY_RECONCILE=true (every object applied on every reconcile,
-one status patch per workload event, a render per owned event) and KVFERRY_TRANSFER_SOURCE=pods;
-"after" is the default; "after@REV" is the after design with the operator's code at git REV (to compare
-a change side by side). "floor" runs no operator: a plain client (a subprocess, 8 threads, as the
-operator's 8 reconcile threads) creates, for each CR as its create returns, exactly the objects the
-operator renders (operator/render), one create request per object as the operator's first reconcile
-does; a CR counts as Ready when its StatefulSets and Deployment have readyReplicas == replicas.
-Runs a private control plane (real apiserver/etcd/KCM/scheduler, kwok nodes) and `kvferry operator` as
-a subprocess; prints figures, asserts nothing about time. Everything started here is stopped by PID.
+"after" is the operator with its default settings; "after@REV" is the same with the operator's code at
+git REV (to compare a change side by side). The figures of the design before fleet-scale reconciles
+are frozen in bench/results/operator_bench_before.md. "floor" runs no operator: a plain client (a
+subprocess, 8 threads, as the operator's 8 reconcile threads) creates, for each CR as its create
+returns, exactly the objects the operator renders (operator/render), one create request per object as
+the operator's first reconcile does; a CR counts as Ready when its StatefulSets and Deployment have
+readyReplicas == replicas. Runs a private control plane (real apiserver/etcd/KCM/scheduler, kwok nodes)
+and `kvferry operator` as a subprocess; prints figures, asserts nothing about time. Everything started
+here is stopped by PID.
 
-    python bench/operator_bench.py [--crs 1000] [--designs floor,after,before] [--shards 2] [--timeout 900]
+    python bench/operator_bench.py [--crs 1000] [--designs floor,after,after@REV] [--shards 2] [--timeout 900]
 """
 
 from __future__ import annotations
@@ -58,11 +59,10 @@ POLL_S = 0.5
 PODS_PER_CR = 3
 FULL = ("create", "update", "resume", "resync", "drift")
 DESIGNS = {
-    "before": {"KVFERRY_LEGACY_RECONCILE": "true", "KVFERRY_TRANSFER_SOURCE": "pods"},
     "after": {},
     "floor": {},  # no operator: see floor_client
 }
-METRICS_INTERVAL_S = 30.0  # both designs (the default); the lag figure includes up to one interval
+METRICS_INTERVAL_S = 30.0  # every design (the default); the lag figure includes up to one interval
 LAG_CR = "b-0000"
 CREATE_CLIENTS = 8
 
@@ -263,7 +263,7 @@ def start_operator(
         # The figures are about one wave of creations; the periodic resync (300 s) would add a full
         # reconcile of every CR in the middle of the slower design's run.
         "KVFERRY_RESYNC_INTERVAL": "3600",
-        # kwok pods serve nothing and their IPs are not ours to reach: both designs read loopback.
+        # kwok pods serve nothing and their IPs are not ours to reach: every design reads loopback.
         "KVFERRY_METRICS_URL": f"http://127.0.0.1:{engines.port}/engine/{{pod}}",
         "KVFERRY_POOL_METRICS_URL": f"http://127.0.0.1:{engines.port}/pool/{{pod}}",
         "KVFERRY_SHARD": shard,
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--designs",
         default="floor,after",
-        help="comma-separated: floor, after, before; after@REV (before@REV): the operator's code at git REV",
+        help="comma-separated: floor, after; after@REV: the operator's code at git REV",
     )
     p.add_argument(
         "--shards", type=int, default=1, help="also run each operator design as this many shard replicas"

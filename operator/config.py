@@ -153,12 +153,6 @@ class OperatorConfig:
         "Least seconds between two status refreshes of one CR from workload events (the events in "
         "between are folded into one patch).",
     )
-    legacy_reconcile: bool = setting(
-        False,
-        "KVFERRY_LEGACY_RECONCILE",
-        "Benchmark hook: behave as before issue 19 (apply every object on every reconcile, a status "
-        "patch per workload event, render on every owned event). Keep false.",
-    )
     apply_pause_seconds: Annotated[float, msgspec.Meta(ge=0)] = setting(
         0.0,
         "KVFERRY_APPLY_PAUSE_SECONDS",

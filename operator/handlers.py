@@ -200,7 +200,6 @@ def quiet_kopf_events() -> None:
 def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     """Attach every handler to `registry`, with intervals taken from `cfg`."""
     index, count = cfg.shard_of
-    legacy = cfg.legacy_reconcile
 
     def mine(namespace: str, name: str, **_: Any) -> bool:
         return shard.owns(namespace, name, index, count)
@@ -232,7 +231,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         memo.changes = Changes()
         # kopf gives each object a shallow copy of this memo: a dict set here is shared by all of them.
         memo.views = {}
-        memo.refreshes = None if legacy else Coalescer(refresher(memo), cfg.status_interval)
+        memo.refreshes = Coalescer(refresher(memo), cfg.status_interval)
 
     def refresher(memo: kopf.Memo) -> Any:
         def refresh(key: Any) -> None:
@@ -268,8 +267,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
 
     @kopf.on.cleanup(registry=registry)
     def close(memo: kopf.Memo, **_: Any) -> None:
-        if memo.refreshes is not None:
-            memo.refreshes.close()
+        memo.refreshes.close()
         memo.kube.close()
 
     # Indexes and the workload-event sorter are async on purpose: kopf runs sync handlers on its 8 threads,
@@ -286,18 +284,15 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     async def owned(body: kopf.Body, **_: Any) -> dict:
         key = owner_key(body)
         role = body["metadata"].get("labels", {}).get(names.LABEL_ROLE)
-        return {(*key, role): (_plain(body) if legacy else watched_copy(body))} if key else {}
+        return {(*key, role): watched_copy(body)} if key else {}
 
-    if not legacy:
-        for group, version, plural in ALL_RENDERED:
+    for group, version, plural in ALL_RENDERED:
 
-            @kopf.index(
-                group, version, plural, labels=MANAGED, id="copies", when=mine_owned, registry=registry
-            )
-            async def copies(body: kopf.Body, **_: Any) -> dict:
-                key = owner_key(body)
-                packed = pack(_stripped(body))
-                return {(*key, body["kind"], body["metadata"]["name"]): packed} if key else {}
+        @kopf.index(group, version, plural, labels=MANAGED, id="copies", when=mine_owned, registry=registry)
+        async def copies(body: kopf.Body, **_: Any) -> dict:
+            key = owner_key(body)
+            packed = pack(_stripped(body))
+            return {(*key, body["kind"], body["metadata"]["name"]): packed} if key else {}
 
     @kopf.on.resume(*CR, id="reconcile", when=mine, registry=registry)
     @kopf.on.create(*CR, id="reconcile", when=mine, registry=registry)
@@ -306,7 +301,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         body: kopf.Body, memo: kopf.Memo, reason: kopf.Reason, owned: kopf.Index, **indexes: Any
     ) -> None:
         trigger = getattr(reason, "value", str(reason))
-        stored = stored_by(indexes.get("copies"), body)  # no such index in legacy mode
+        stored = stored_by(indexes.get("copies"), body)
         kw = {"trigger": trigger, "watched": watched_by(owned, body), "stored": stored}
         outcome = timed(trigger, lambda: reconcile.reconcile(memo.kube, _plain(body), cfg, **kw))
         post(body, outcome)
@@ -322,11 +317,11 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         ) -> None:
             key = owner_key(body)
             memo.views.update(inferences=inferences, owned=owned, context=contextvars.copy_context())
-            change = memo.changes.note(body, event.get("type")) if not legacy else None
+            change = memo.changes.note(body, event.get("type"))
             if change is Change.NONE:
                 return  # nothing we render or show moved (our own apply, an annotation, the listing)
             known = key is not None and _first(inferences, key) is not None
-            if change is Change.REFRESH and known and memo.refreshes is not None:
+            if change is Change.REFRESH and known:
                 memo.refreshes.request(key)  # folded with the CR's other workload events into one patch
                 return
             cr = cr_of(inferences, key) if known else None
@@ -342,8 +337,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             if cr["metadata"].get("deletionTimestamp"):
                 return  # the GC is removing everything; re-applying would fight it
             kw = {"event_type": event["type"], "obj": _plain(body), "watched": watched_by(owned, cr)}
-            if memo.refreshes is not None:
-                kw["refresh"] = lambda: memo.refreshes.request(key)
+            kw["refresh"] = lambda: memo.refreshes.request(key)
             run = lambda: timed("owned", lambda: reconcile.on_owned_change(memo.kube, cr, cfg, **kw))  # noqa: E731
 
             async def check() -> None:
@@ -352,10 +346,8 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
                 outcome = await asyncio.get_running_loop().run_in_executor(memo.executor, ctx.run, run)
                 post(_ref(cr), outcome)
 
-            if legacy:
-                await check()  # the before design: the object's worker waits for its thread
-            else:  # the worker goes on with the object's next event; the newest waiting check wins
-                memo.checks.submit(body["metadata"]["uid"], check)
+            # The object's worker goes on with its next event; the newest waiting check wins.
+            memo.checks.submit(body["metadata"]["uid"], check)
 
     @kopf.timer(
         *CR,
