@@ -103,13 +103,13 @@ def test_cpu_limits_hold_a_containers_processes_to_their_quota(agent_node, admin
     before = {name: _group_cpu_s(pgid)[0] for name, pgid in pgids.items()}
     throttled0 = {name: _throttled(pod_dir / name) for name in pgids}
     time.sleep(WINDOW_S)
-    # The quota acted: each cgroup ran out of it in some periods (a loaded host makes that rarer, so
-    # wait for it, bounded, rather than expect it within the window).
+    # The quota acted: each cgroup ran out of it in some period (unlimited, nr_throttled stays 0). A
+    # loaded host makes that rarer, so wait for it, bounded, rather than expect it within the window.
     grown = wait_until(
         lambda: {name: _throttled(pod_dir / name) - throttled0[name] for name in pgids},
         "each container's cgroup throttled by its quota",
         120,
-        until=lambda d: all(n >= 3 for n in d.values()),
+        until=lambda d: all(n >= 1 for n in d.values()),
     )
     used = {name: _group_cpu_s(pgid)[0] - before[name] for name, pgid in pgids.items()}
     wall = time.monotonic() - t0
