@@ -8,9 +8,12 @@ echo, tools) are not aggregated; they go to decode non-streaming, bounded by the
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from kvferry.router import bounded
+
+# The whole answer is held until it ends; decode picks its length (max_tokens and the engine).
+MAX_AGGREGATED_BYTES = 64 << 20
 _NOT_AGGREGATED = ("logprobs", "top_logprobs", "echo", "prompt_logprobs", "tools", "functions")
 
 
@@ -35,8 +38,13 @@ def streaming_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class AnswerTooLarge(ValueError):
+    """Decode's stream passed MAX_AGGREGATED_BYTES."""
+
+
 class Aggregator:
-    """Feed raw SSE bytes; `result()` is the non-streaming completion or chat completion."""
+    """Feed raw SSE bytes; `result()` is the non-streaming completion or chat completion. An event
+    that is not a completion chunk sets `error` (decode's answer cannot be trusted past it)."""
 
     def __init__(self, chat: bool) -> None:
         self.chat = chat
@@ -46,16 +54,23 @@ class Aggregator:
         self.usage: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
         self.done = False
+        self._size = 0
 
     def feed(self, data: bytes) -> None:
+        self._size += len(data)
+        if self._size > MAX_AGGREGATED_BYTES:
+            raise AnswerTooLarge(f"the answer passed {MAX_AGGREGATED_BYTES} bytes")
         self._buf += data
         *lines, self._buf = self._buf.split(b"\n")
         for line in lines:
             line = line.strip()
             if line == b"data: [DONE]":
                 self.done = True
-            elif line.startswith(b"data: {"):
-                self._event(json.loads(line[6:]))
+            elif line.startswith(b"data: {") and self.error is None:
+                try:
+                    self._event(bounded.loads(line[6:], "an event"))
+                except (ValueError, TypeError, AttributeError) as exc:  # not a completion chunk
+                    self.error = {"message": f"malformed event: {str(exc)[:200]}"}
 
     def _event(self, event: dict[str, Any]) -> None:
         if "error" in event:
@@ -73,7 +88,7 @@ class Aggregator:
             int(choice.get("index", 0)), {"text": [], "token_ids": None, "finish_reason": None, "role": None}
         )
         piece = (choice.get("delta") or {}) if self.chat else choice
-        slot["text"].append(piece.get("content") or piece.get("text") or "")
+        slot["text"].append(str(piece.get("content") or piece.get("text") or ""))
         slot["role"] = slot["role"] or piece.get("role")
         if choice.get("token_ids") is not None:
             slot["token_ids"] = (slot["token_ids"] or []) + list(choice["token_ids"])

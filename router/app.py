@@ -17,9 +17,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from kvferry.contracts.pods import POOL_METRICS_PATH
-from kvferry.router import early, poolstatus
+from kvferry.router import bounded, early, poolstatus
 from kvferry.router import params as legs
-from kvferry.router.aggregate import Aggregator
+from kvferry.router.aggregate import Aggregator, AnswerTooLarge
 from kvferry.router.backlog import PrefillBacklog
 from kvferry.router.config import RouterConfig
 from kvferry.router.discovery import make_discovery
@@ -36,6 +36,7 @@ from kvferry.router.selection import LoadTracker, NoBackendError, OverloadedErro
 log = logging.getLogger(__name__)
 SCRAPE_INTERVAL_S = 2.0
 MAX_BODY_BYTES = 32 * 1024 * 1024
+MAX_MODELS_BYTES = 1 << 20  # decode's /v1/models, relayed when the config names no model
 # The pool's transfer metrics are metrics too: readable like /metrics (the operator holds no API key).
 UNAUTHENTICATED_PATHS = ("/health", "/livez", "/metrics", POOL_METRICS_PATH)
 # Requests shed on purpose get their own outcome label (kvferry_router_requests_total), not "error".
@@ -82,10 +83,11 @@ def _auth_middleware(api_key: str | None) -> Any:
 
 
 async def _read_json(request: web.Request) -> Any:
+    """The body as JSON, bounded in bytes (client_max_size: 413), nesting and integer size (400)."""
     try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "request body is not valid JSON", "invalid_json") from None
+        return bounded.loads(await request.read(), "request body")
+    except bounded.BoundError as exc:
+        raise ApiError(400, str(exc), "invalid_json") from None
 
 
 class _Early:
@@ -237,9 +239,13 @@ async def _aggregate(leg: OpenLeg, chat: bool, deadline: float) -> dict[str, Any
     async def drain() -> None:
         async for chunk in leg.response.content.iter_any():
             agg.feed(chunk)
+            if agg.error is not None:
+                return  # the answer is lost: stop reading (closing the leg aborts it)
 
     try:
         await asyncio.wait_for(drain(), max(deadline - time.monotonic(), 0.1))
+    except AnswerTooLarge as exc:
+        raise ApiError(502, f"decode {leg.engine.engine_id}: {exc}", "decode_too_large") from None
     except asyncio.TimeoutError:
         raise ApiError(504, f"decode {leg.engine.engine_id} did not finish within the total deadline",
                        "decode_timeout") from None  # fmt: skip
@@ -281,8 +287,10 @@ async def _models(request: web.Request) -> web.Response:
         async with state["session"].get(
             pool.decode[0].url + "/v1/models", timeout=aiohttp.ClientTimeout(10)
         ) as r:
-            return web.json_response(await r.json(content_type=None), status=r.status)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            what = f"decode {pool.decode[0].engine_id}'s model list"
+            listed = bounded.loads(await bounded.read_capped(r, MAX_MODELS_BYTES, what), what)
+            return web.json_response(listed, status=r.status if 200 <= r.status < 600 else 502)
+    except (aiohttp.ClientError, asyncio.TimeoutError, bounded.BoundError) as exc:
         raise ApiError(
             502, f"decode {pool.decode[0].engine_id} did not list models: {exc!r}", "upstream"
         ) from None
@@ -323,7 +331,10 @@ async def _scrape_loop(state: dict[str, Any]) -> None:
         for ep in pool.decode:
             try:
                 async with session.get(ep.url + "/metrics", timeout=aiohttp.ClientTimeout(2)) as r:
-                    m = parse_metrics(await r.text())
+                    text = await bounded.read_capped(
+                        r, poolstatus.MAX_ENGINE_BYTES, f"{ep.engine_id} /metrics"
+                    )
+                    m = parse_metrics(text.decode("utf-8", errors="replace"))
                 state["tracker"].observe(
                     ep, metric_sum(m, "vllm:num_requests_waiting"), metric_sum(m, "vllm:kv_cache_usage_perc")
                 )
@@ -379,6 +390,7 @@ def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
         "planner": Planner(routing, selector, index, metrics, backlog, max_wait),
         "discovery": make_discovery(cfg.static, cfg.kubernetes),
         "index": index,
+        "pool_metrics": poolstatus.PoolMetrics(),
     }
     app.router.add_post(legs.COMPLETIONS, _generate)
     app.router.add_post(legs.CHAT, _generate)

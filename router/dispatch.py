@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from kvferry.router import bounded
 from kvferry.router import params as legs
 from kvferry.router.aggregate import can_aggregate, streaming_body
 from kvferry.router.backlog import PrefillBacklog
@@ -40,6 +40,11 @@ CONNECT_TIMEOUT_S = 5.0
 # After P finished, D gets at least transfer_s plus this margin, so that the kvferry connector's own
 # deadline_s (an error event from D, recomputed with a clear reason) acts before the router's bound.
 KV_MARGIN_S = 5.0
+# Engine answers read whole are capped: prefill's 1-token answer (prompt token ids included), and a
+# non-streaming decode answer (logprobs included); an error body is read only as far as its message.
+MAX_PREFILL_ANSWER_BYTES = 16 << 20
+MAX_DECODE_ANSWER_BYTES = 64 << 20
+MAX_ERROR_BYTES = 2000
 OnPrefill = Callable[[dict[str, Any]], Awaitable[None]]  # gets P's answer before D's first token
 
 
@@ -93,18 +98,17 @@ class Dispatcher:
         )
 
     async def _status_error(self, leg: str, ep: Endpoint, resp: aiohttp.ClientResponse) -> LegError:
-        text = (await resp.read())[:2000].decode(errors="replace")
+        text = (await bounded.read_prefix(resp, MAX_ERROR_BYTES)).decode(errors="replace")
         try:
-            message = json.loads(text)["error"]["message"]
+            message = str(bounded.loads(text, "error body")["error"]["message"])
         except (ValueError, KeyError, TypeError):
             message = text
-        resp.release()
-        if resp.status < 500:
+        resp.close()  # the rest of the body is not read
+        reason = status_reason(resp.status)
+        if 400 <= resp.status < 500:
             # The engine rejected the request itself (e.g. prompt too long): recompute cannot help.
-            return self._fail(leg, f"status_{resp.status}", message, status=resp.status, retryable=False)
-        return self._fail(
-            leg, f"status_{resp.status}", f"{leg} {ep.engine_id} answered {resp.status}: {message}"
-        )
+            return self._fail(leg, reason, message, status=resp.status, retryable=False)
+        return self._fail(leg, reason, f"{leg} {ep.engine_id} answered {resp.status}: {message}")
 
     async def prefill(
         self, ep: Endpoint, path: str, body: dict[str, Any], rid: str, timeout_s: float, tokens: int = 0
@@ -137,7 +141,11 @@ class Dispatcher:
         async with await self._post(ep, path, body, rid) as resp:
             if resp.status != 200:
                 raise await self._status_error("prefill", ep, resp)
-            data = await resp.json(content_type=None)
+            what = f"prefill {ep.engine_id}'s answer"
+            try:
+                data = bounded.loads(await bounded.read_capped(resp, MAX_PREFILL_ANSWER_BYTES, what), what)
+            except bounded.BoundError as exc:
+                raise self._fail("prefill", "bad_answer", str(exc)) from None
         return data if isinstance(data, dict) else {}
 
     async def open_decode(
@@ -179,7 +187,13 @@ class Dispatcher:
         holder.append(resp)
         if resp.status != 200:
             raise await self._status_error("decode", ep, resp)
-        return await (self._first_event(ep, resp) if stream else resp.read())
+        if stream:
+            return await self._first_event(ep, resp)
+        what = f"decode {ep.engine_id}'s answer"
+        try:
+            return await bounded.read_capped(resp, MAX_DECODE_ANSWER_BYTES, what)
+        except bounded.BoundError as exc:
+            raise self._fail("decode", "bad_answer", str(exc), retryable=False) from None
 
     async def _first_event(self, ep: Endpoint, resp: aiohttp.ClientResponse) -> bytes:
         """Read D's stream up to its first event with output; an error event before it fails the leg."""
@@ -435,6 +449,15 @@ class Dispatcher:
                 t.exception()
 
         task.add_done_callback(_done)
+
+
+def status_reason(status: int) -> str:
+    """A leg-error reason (a metric label) for an engine's HTTP status: the engine picks the status,
+    so only the usual ones get their own label, the rest their class."""
+    return f"status_{status}" if status in _LABELLED_STATUSES else f"status_{status // 100}xx"
+
+
+_LABELLED_STATUSES = frozenset((400, 401, 403, 404, 408, 413, 422, 429, 500, 502, 503, 504))
 
 
 async def _abort(task: asyncio.Task[Any]) -> None:

@@ -10,22 +10,29 @@ size), keeps only the families transfer status is computed from (the connector's
 
 Each engine's text stays separate, so the operator's pure summary (operator/status/transfer.py) reads
 them exactly as it reads pods it fetched itself, and counts scraped pods the same way.
+
+The route is unauthenticated (like /metrics), so what a caller can make the router do is bounded: an
+answer is reused for CACHE_TTL_S, concurrent callers share one scrape (single flight), and each
+engine's body is read to at most MAX_ENGINE_BYTES.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from kvferry.router import bounded
 from kvferry.router.config import Endpoint
 
 # Families transfer status reads: the connector's, and vLLM's own NIXL connector's and token sources.
 KEPT_PREFIXES = ("kvferry_", "vllm:nixl_", "vllm:prompt_tokens_by_source")
 FETCH_TIMEOUT_S = 2.0
 MAX_ENGINE_BYTES = 4 << 20  # vLLM's /metrics is tens of KiB; a body past this is not metrics
+CACHE_TTL_S = 2.0  # the operator reads each CR's pool every few seconds at most
 
 
 def _family(line: str) -> str:
@@ -49,11 +56,9 @@ async def _fetch(session: aiohttp.ClientSession, engine: Endpoint) -> str | None
         async with session.get(engine.url + "/metrics", timeout=timeout, allow_redirects=False) as resp:
             if resp.status != 200:
                 return None
-            body = await resp.content.read(MAX_ENGINE_BYTES + 1)
-            if len(body) > MAX_ENGINE_BYTES:
-                return None
+            body = await bounded.read_capped(resp, MAX_ENGINE_BYTES, f"{engine.engine_id} /metrics")
             return transfer_families(body.decode("utf-8", errors="replace"))
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):  # BoundError: past the cap
         return None  # counted as unreachable; the operator reports fewer scraped pods
 
 
@@ -69,14 +74,47 @@ async def gather(
     }
 
 
+Pool = tuple[tuple[Endpoint, ...], tuple[Endpoint, ...]]
+
+
+class PoolMetrics:
+    """gather() behind a short cache and a single flight: however many callers, at most one scrape of
+    the pool runs at a time, and its answer serves every caller for CACHE_TTL_S."""
+
+    def __init__(self, ttl_s: float = CACHE_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s, self.clock = ttl_s, clock
+        self._answer: tuple[Pool, float, dict[str, Any]] | None = None  # pool, when read, answer
+        self._flight: tuple[Pool, asyncio.Task[dict[str, Any]]] | None = None
+        self.scrapes = 0
+
+    async def get(self, session: aiohttp.ClientSession, pool: Pool) -> dict[str, Any]:
+        if self._answer is not None:
+            read_for, at, answer = self._answer
+            if read_for == pool and self.clock() - at < self.ttl_s:
+                return answer
+        if self._flight is None or self._flight[0] != pool or self._flight[1].done():
+            self.scrapes += 1
+            task = asyncio.create_task(self._scrape(session, pool))
+            self._flight = (pool, task)
+        # shield: a caller that leaves (its handler cancelled) must not cancel the others' scrape
+        return await asyncio.shield(self._flight[1])
+
+    async def _scrape(self, session: aiohttp.ClientSession, pool: Pool) -> dict[str, Any]:
+        answer = await gather(session, *pool)
+        self._answer = (pool, self.clock(), answer)
+        return answer
+
+
 def handler(
     state_of: Callable[[web.Request], dict[str, Any]],
 ) -> Callable[[web.Request], Awaitable[web.Response]]:
-    """The GET handler: the current pool's transfer metrics as JSON (`state_of` finds the app's state)."""
+    """The GET handler: the current pool's transfer metrics as JSON (`state_of` finds the app's state,
+    whose "pool_metrics" is a PoolMetrics)."""
 
     async def pool_metrics(request: web.Request) -> web.Response:
         state = state_of(request)
         pool = state["discovery"].current()
-        return web.json_response(await gather(state["session"], pool.prefill, pool.decode))
+        answer = await state["pool_metrics"].get(state["session"], (pool.prefill, pool.decode))
+        return web.json_response(answer)
 
     return pool_metrics

@@ -10,9 +10,10 @@ by the caller and relayed unchanged. Pure (no I/O).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from kvferry.router import bounded
 
 # Preamble bytes are held back from the client while they are scanned; past this much without a
 # verdict the stream is treated as started (never buffer without a bound).
@@ -61,7 +62,7 @@ def _line_verdict(line: bytes) -> FirstEvent | None:
     if payload == b"[DONE]":
         return FirstEvent()
     try:
-        event = json.loads(payload)
+        event = bounded.loads(payload, "an event")
     except ValueError:
         return FirstEvent()  # not ours to judge: relay it as it is
     if not isinstance(event, dict):

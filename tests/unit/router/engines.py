@@ -28,11 +28,13 @@ def sse(event: Any) -> bytes:
 class FakeEngine:
     """Records requests and answers per `mode`:
 
-    ok; error500 / error400 (that HTTP status); stall (never answers); slow or slow:<s> (answers after
-    0.5 s or <s> s); error_event (a P/D leg gets status 200 and an SSE error event before any token,
-    as vLLM does when the KV load fails; plain requests are served); breaks (a streamed P/D leg sends
-    one token, then the connection drops, as when the engine is killed mid-answer); after_prefill (a
-    P/D leg answers only once `peer` has finished the same request id, as a push D waits for its KV);
+    ok; error500 / error400 / error<status> (that HTTP status); deep500 (a P/D leg gets 500 with a
+    body nested 100,000 deep); huge (answers padded with 100 kB); stall (never answers); slow or
+    slow:<s> (answers after 0.5 s or <s> s); error_event (a P/D leg gets status 200 and an SSE error
+    event before any token, as vLLM does when the KV load fails; plain requests are served); breaks
+    (a streamed P/D leg sends one token, then the connection drops, as when the engine is killed
+    mid-answer); after_prefill (a P/D leg answers only once `peer` has finished the same request id,
+    as a push D waits for its KV);
     orphaned (a P/D leg stops `peer`'s server, as a prefill process that died, and never answers, as
     a D waiting for KV from it; plain requests are served); endless (a P/D leg never ends: a stream
     sends a token every 20 ms, a plain answer never comes; `closed` records the request ids whose
@@ -46,10 +48,20 @@ class FakeEngine:
         self.seen: list[dict[str, Any]] = []
         self.finished: list[str] = []
         self.closed: list[str] = []
+        self.metrics_text: str | None = None  # what GET /metrics serves (None: 404, as before)
+        self.metrics_reads = 0
         app = web.Application()
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_post(CHAT_PATH, self.handle)
         self.server = TestServer(app, host="127.0.0.1")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_text is None:
+            raise web.HTTPNotFound()
+        self.metrics_reads += 1
+        await asyncio.sleep(0.05)  # a scrape takes a moment: concurrent readers overlap it
+        return web.Response(text=self.metrics_text)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -70,9 +82,11 @@ class FakeEngine:
             assert self.peer is not None
             while rid not in self.peer.finished:
                 await asyncio.sleep(0.01)
-        if self.mode in ("error400", "error500"):
+        if self.mode.startswith("error") and self.mode[5:].isdigit():
             no = {"error": {"message": f"{self.name} says no"}}
             return web.json_response(no, status=int(self.mode[5:]))
+        if self.mode == "deep500" and pd_leg:  # an error body no JSON parser should recurse into
+            return web.Response(text="[" * 100_000, status=500)
         chat = request.path == CHAT_PATH
         if self.mode == "breaks" and pd_leg and body.get("stream"):
             return await self._stream(request, body, chat, cut=True)
@@ -90,6 +104,8 @@ class FakeEngine:
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         if ids:
             choice["token_ids"] = [self.first_id]
+        if self.mode == "huge":
+            choice["padding"] = "x" * 100_000
         answer = {
             "id": f"cmpl-{rid}",
             "created": 1,

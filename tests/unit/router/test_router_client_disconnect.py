@@ -69,7 +69,8 @@ def test_a_client_that_leaves_cancels_every_kind_of_request(tmp_path: Path, mode
                 kinds = KINDS if leg == "decode" else {"aggregated": KINDS["aggregated"]}
                 for kind, body in kinds.items():
                     rid = await _leave_after_engine_sees(session, router.url, body, engine)
-                    await _until(lambda: rid in engine.closed, f"the {kind} request's {leg} leg closed")
+                    closed = lambda rid=rid: rid in engine.closed  # noqa: E731
+                    await _until(closed, f"the {kind} request's {leg} leg closed")
 
                 async def in_flight() -> float:
                     async with session.get(router.url + "/metrics") as resp:
@@ -82,7 +83,9 @@ def test_a_client_that_leaves_cancels_every_kind_of_request(tmp_path: Path, mode
                 assert await in_flight() == 0, "in-flight slots held after the clients left"
                 async with session.get(router.url + "/metrics") as resp:
                     text = await resp.text()
-                gone = metric_sum(parse_metrics(text), "kvferry_router_requests_total", outcome="client_disconnect")
+                gone = metric_sum(
+                    parse_metrics(text), "kvferry_router_requests_total", outcome="client_disconnect"
+                )
                 assert gone == len(kinds), text
         finally:
             await asyncio.to_thread(router.stop)

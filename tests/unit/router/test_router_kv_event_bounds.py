@@ -32,8 +32,9 @@ def batch(*events: dict[str, Any]) -> kvevents.Batch:
 def test_a_large_batch_is_applied_in_bounded_slices_that_key_it_like_one() -> None:
     blocks = 3 * kvevents.SLICE_UNITS + 17
     tokens = [t % 100 for t in range(blocks * BLOCK)]
-    events = [stored(list(range(blocks // 2)), None, tokens[: blocks // 2 * BLOCK]),
-              stored(list(range(blocks // 2, blocks)), blocks // 2 - 1, tokens[blocks // 2 * BLOCK :])]  # fmt: skip
+    half = blocks // 2
+    events = [stored(list(range(half)), None, tokens[: half * BLOCK]),
+              stored(list(range(half, blocks)), half - 1, tokens[half * BLOCK :])]  # fmt: skip
     state = kvevents.EngineBlocks(BLOCK, 10 * blocks)
     parts = state.slices(0, batch(*events))
     assert parts is not None
@@ -52,7 +53,8 @@ def test_slices_keep_the_batch_order_a_block_stored_then_evicted_is_not_held() -
         index.removed("d", change.removed)
         index.stored("d", change.stored)
     assert index.match("d", prompt_keys(tokens, BLOCK, 4.0).keys) == 1
-    merged = kvevents.EngineBlocks(BLOCK, 100).apply(0, batch(stored([b"a", b"b"], None, tokens), removed([b"b"])))
+    both = batch(stored([b"a", b"b"], None, tokens), removed([b"b"]))
+    merged = kvevents.EngineBlocks(BLOCK, 100).apply(0, both)
     assert merged is not None and len(merged.stored) == 1  # apply() merges slices the same way
 
 

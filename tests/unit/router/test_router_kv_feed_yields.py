@@ -60,8 +60,9 @@ def router_config(tmp_path: Path) -> dict[str, Any]:
              "side_port": port}  # fmt: skip
         return {**e, "kv_events": f"ipc://{tmp_path}/pub"} if role == "decode" else e
 
+    static = {"prefill": [entry("prefill", 9)], "decode": [entry("decode", 10)]}
     return {"mode": "kvferry", "model": "tiny", "routing": {"block_tokens": BLOCK},
-            "discovery": {"static": {"prefill": [entry("prefill", 9)], "decode": [entry("decode", 10)]}}}  # fmt: skip
+            "discovery": {"static": static}}  # fmt: skip
 
 
 async def _until(check: Callable[[], bool], what: str, step: Callable[[], None] = lambda: None) -> None:
