@@ -118,7 +118,12 @@ def kv_transfer_config(spec: Spec, role: str, plan: PodPlan, revision: str = "")
     return {"kv_connector": connector, **base, "kv_connector_extra_config": extra}
 
 
-def vllm_args(spec: Spec, role: str, kv_json: str, shutdown_timeout: int) -> list[str]:
+SHUTDOWN_TIMEOUT_SINCE = (0, 18)  # vLLM's --shutdown-timeout (vllm PR 34730); older vLLM refuses it
+
+
+def vllm_args(
+    spec: Spec, role: str, kv_json: str, shutdown_timeout: int, vllm_version: tuple[int, int] = (99, 0)
+) -> list[str]:
     engine = spec.vllm
     rspec: Role = getattr(spec, role)
     args = [
@@ -139,7 +144,9 @@ def vllm_args(spec: Spec, role: str, kv_json: str, shutdown_timeout: int) -> lis
     args.append("--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching")
     if routing.kv_events(spec):
         args += ["--kv-events-config", json.dumps(routing.kv_events_config(), separators=(",", ":"))]
-    args += ["--shutdown-timeout", str(shutdown_timeout), "--kv-transfer-config", kv_json]
+    if vllm_version >= SHUTDOWN_TIMEOUT_SINCE:  # an unknown flag stops vLLM at start-up
+        args += ["--shutdown-timeout", str(shutdown_timeout)]
+    args += ["--kv-transfer-config", kv_json]
     return args + engine.extra_args + rspec.extra_args
 
 
@@ -178,11 +185,21 @@ def role_context(
         "pod_annotations": {},  # set by render() for spec.placement.gang
         "replicas": replicas,
         "image": plan.image,
-        "args": vllm_args(spec, role, kv_json, shutdown),
+        "args": vllm_args(spec, role, kv_json, shutdown, plan.vllm_version),
         "env": identity + security.engine_env(spec, plan.env),
         "resources": plan.resources,
         "node_selector": plan.node_selector,
         "tolerations": plan.tolerations,
+        "scheduler_name": plan.scheduler_name,
+        "image_pull_secrets": [{"name": n} for n in plan.image_pull_secrets],
+        "compile_cache": (
+            {
+                "mount": plan.compile_cache[0],
+                "volume": {"name": presets.COMPILE_CACHE_VOLUME, **plan.compile_cache[1]},
+            }
+            if plan.compile_cache
+            else None
+        ),
         "affinity": placement.affinity(spec, cr_name, role),  # the user's, plus spec.placement's terms
         "pod_security": security.engine_pod_security(plan),
         "container_security": security.engine_container_security(plan),

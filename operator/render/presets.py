@@ -17,8 +17,11 @@ from typing import Any
 import yaml
 from kvferry.operator.render import groups, images
 from kvferry.operator.spec import Role, Spec
+from kvferry.operator.spec.compile_cache import CompileCache
 
 PRESET_DIR = Path(__file__).parent / "presets"
+COMPILE_CACHE_VOLUME = "compile-cache"
+LATEST_VLLM = (99, 0)  # presets that name no vllmVersion run kvferry's own vLLM image (current flags)
 DEVICE_BUFFER = {"nvidia.com/gpu": "cuda", "aws.amazon.com/neuron": "cuda"}
 
 
@@ -47,6 +50,21 @@ class PodPlan:
     buffer_device: str
     devices: int
     efa: int
+    scheduler_name: str | None  # None: the cluster's default scheduler
+    image_pull_secrets: list[str]
+    # Neuron presets: (mount path, volume source) of spec.compileCache; None elsewhere.
+    compile_cache: tuple[str, dict[str, Any]] | None
+    vllm_version: tuple[int, int]  # the image's vLLM (major, minor): flags newer than it are left out
+
+
+def compile_cache_volume(cache: CompileCache | None) -> dict[str, Any]:
+    """The Kubernetes volume source for spec.compileCache (unset: the node-local hostPath default)."""
+    cache = cache or CompileCache()
+    if cache.volume == "persistentVolumeClaim":
+        return {"persistentVolumeClaim": {"claimName": cache.claim_name}}
+    if cache.volume == "emptyDir":
+        return {"emptyDir": {}}
+    return {"hostPath": {"path": cache.path, "type": "DirectoryOrCreate"}}
 
 
 def block_size(spec: Any) -> int:
@@ -61,6 +79,11 @@ def scale_quantity(quantity: str, factor: int) -> str:
         raise ValueError(f"preset quantity {quantity!r} is not '<number><suffix>'")
     value = float(match.group(1)) * factor
     return f"{int(value) if value.is_integer() else value}{match.group(2)}"
+
+
+def _vllm_version(preset: dict[str, Any]) -> tuple[int, int]:
+    major, minor = preset.get("vllmVersion", LATEST_VLLM)
+    return int(major), int(minor)
 
 
 def _by_name(*env_lists: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -107,8 +130,10 @@ def merge(spec: Spec, role_name: str, registry: str = images.DEFAULT_REGISTRY) -
     elif buffer == "device":
         buffer = DEVICE_BUFFER.get(accel["resource"], "cpu") if accel else "cpu"
     role_env = preset.get("roleEnv", {}).get(role_name, [])
+    cache = preset.get("compileCache")
+    image = spec.image or images.resolve(preset.get("image"), registry)
     return PodPlan(
-        image=spec.image or images.resolve(preset.get("image"), registry),
+        image=image,
         env=_by_name(preset.get("env", []), role_env, role.env),
         resources=_resources(preset, role, devices, efa),
         node_selector={**preset.get("nodeSelector", {}), **role.node_selector},
@@ -122,4 +147,9 @@ def merge(spec: Spec, role_name: str, registry: str = images.DEFAULT_REGISTRY) -
         buffer_device=buffer,
         devices=devices,
         efa=efa,
+        scheduler_name=role.scheduler_name or preset.get("schedulerName"),
+        image_pull_secrets=list(role.image_pull_secrets),
+        compile_cache=(cache["mountPath"], compile_cache_volume(spec.compile_cache)) if cache else None,
+        # spec.image replaces the preset's image and its vLLM: assume a current one then.
+        vllm_version=_vllm_version(preset) if not spec.image else LATEST_VLLM,
     )

@@ -23,4 +23,21 @@ ACCELERATOR_FAMILIES = (("p5en", "p5"),)
 MODES = ("push", "pull")
 CONNECTORS = ("kvferry", "vllm")
 BACKENDS = ("LIBFABRIC", "UCX")
+# Presets on AWS Neuron (Trainium). The kvferry connector measures each layer's KV layout through the
+# attention backend's own KV write (`impl.do_kv_cache_update`, connector/kvcache.py), which vLLM's
+# Neuron backend does not have, and the Neuron DLC images ship vLLM < 0.32 (connector/compat.py): on
+# these presets only the upstream NixlConnector in read (pull) mode runs, as Neuron documents it.
+NEURON_ACCELERATORS = ("trn2", "trn1")
+# KV heads of models the spec knows (each model's config.json, `num_key_value_heads`; BLOOM has no GQA,
+# so its `n_head`). The kvferry connector splits whole KV heads over TP ranks and refuses replicated or
+# uneven splits (connector/layout.py split_heads): for these models the API server refuses such TP
+# sizes; any other model is refused by the connector when the engine starts.
+KNOWN_KV_HEADS = {
+    "Qwen/Qwen3-32B": 8,
+    "Qwen/Qwen3-8B": 8,
+    "meta-llama/Llama-3.1-8B-Instruct": 8,
+    "meta-llama/Llama-3.2-1B-Instruct": 8,
+    "meta-llama/Llama-3.3-70B-Instruct": 8,
+    "bigscience/bloom": 112,
+}
 MAX_NAME_LEN = 42  # `<name>-prefill` + the StatefulSet's 11-char revision hash must fit a 63-char label

@@ -10,10 +10,12 @@ from kvferry.operator.spec.autoscaling import Autoscaling
 from kvferry.operator.spec.constants import (
     ACCELERATOR_FAMILIES,
     EFA_ACCELERATORS,
+    KNOWN_KV_HEADS,
     MAX_GROUP_NODES,
     MAX_NAME_LEN,
     MAX_TP,
     MULTI_NODE_ACCELERATORS,
+    NEURON_ACCELERATORS,
 )
 from kvferry.operator.spec.types import Spec
 
@@ -305,3 +307,78 @@ NAME_RULE = (
 
 
 # ---- parsing: the same constraints, offline, with errors naming the field ----
+
+
+# ---- Neuron presets and KV heads: refuse what the engine cannot start with ----
+
+_NEURON_LIST = _cel_list(NEURON_ACCELERATORS)
+_NEURON_NAMES = ", ".join(NEURON_ACCELERATORS)
+_KV_HEADS_MAP = "{" + ", ".join(f"'{m}': {h}" for m, h in KNOWN_KV_HEADS.items()) + "}"
+_KV_HEADS_TEXT = ", ".join(f"{m} {h}" for m, h in KNOWN_KV_HEADS.items())
+_NEURON_FIX = "set kvTransfer: {connector: vllm, mode: pull} (docs/trainium.md)"
+
+
+def _on_neuron(s: Spec) -> bool:
+    return any(s.role_accelerator(r) in NEURON_ACCELERATORS for r in ("prefill", "decode"))
+
+
+def _heads_split(s: Spec, role: str) -> bool:
+    heads = KNOWN_KV_HEADS.get(s.model)
+    tp = getattr(s, role).tensor_parallel_size
+    return s.kv_transfer.connector != "kvferry" or heads is None or heads % tp == 0
+
+
+def _heads_rule(role: str) -> Rule:
+    return Rule(
+        f".{role}.tensorParallelSize",
+        f"self.kvTransfer.connector != 'kvferry' || !(self.model in {_KV_HEADS_MAP}) || "
+        f"{_KV_HEADS_MAP}[self.model] % self.{role}.tensorParallelSize == 0",
+        f"{role}.tensorParallelSize must divide the model's KV heads with kvTransfer.connector kvferry "
+        f"(KV heads: {_KV_HEADS_TEXT}): the connector splits whole KV heads over TP ranks and refuses "
+        "replicated or uneven ones at start-up; use a tensorParallelSize that divides the KV head count "
+        "(at most 8 for 8 KV heads), or kvTransfer.connector vllm",
+        lambda s: _heads_split(s, role),
+    )
+
+
+RULES += [
+    Rule(
+        ".kvTransfer.connector",
+        f"!({_P_PRESET} in {_NEURON_LIST} || {_D_PRESET} in {_NEURON_LIST}) || "
+        "self.kvTransfer.connector != 'kvferry'",
+        f"kvTransfer.connector kvferry cannot start on {_NEURON_NAMES}: it measures KV layouts through the "
+        "attention backend's do_kv_cache_update, which vLLM's Neuron backend does not have, and the "
+        f"Neuron vLLM images are older than the 0.32 it needs; {_NEURON_FIX}, the upstream NixlConnector "
+        "Neuron documents",
+        lambda s: not _on_neuron(s) or s.kv_transfer.connector != "kvferry",
+    ),
+    Rule(
+        ".kvTransfer.mode",
+        f"!({_P_PRESET} in {_NEURON_LIST} || {_D_PRESET} in {_NEURON_LIST}) || "
+        "self.kvTransfer.mode == 'pull'",
+        f"kvTransfer.mode must be pull on {_NEURON_NAMES}: Neuron documents the NixlConnector's read "
+        "(pull) mode only, and no push connector has run on a Neuron device (docs/verification.md "
+        f'"The push path on Trainium"); {_NEURON_FIX}',
+        lambda s: not _on_neuron(s) or s.kv_transfer.mode == "pull",
+    ),
+    _heads_rule("prefill"),
+    _heads_rule("decode"),
+    Rule(
+        ".compileCache.claimName",
+        "!has(self.compileCache) || !has(self.compileCache.volume) || "
+        "self.compileCache.volume != 'persistentVolumeClaim' || has(self.compileCache.claimName)",
+        "compileCache.claimName is required when compileCache.volume is persistentVolumeClaim: name the "
+        "PVC (in the CR's namespace) that holds the compiled graphs",
+        lambda s: (
+            s.compile_cache is None
+            or s.compile_cache.volume != "persistentVolumeClaim"
+            or bool(s.compile_cache.claim_name)
+        ),
+    ),
+    Rule(
+        ".compileCache.path",
+        "!has(self.compileCache) || !has(self.compileCache.path) || self.compileCache.path.startsWith('/')",
+        "compileCache.path must be an absolute node directory (start with /)",
+        lambda s: s.compile_cache is None or s.compile_cache.path.startswith("/"),
+    ),
+]

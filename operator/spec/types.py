@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvferry.operator.spec.autoscaling import Autoscaling
+from kvferry.operator.spec.compile_cache import CompileCache
 from kvferry.operator.spec.constants import ACCELERATORS, BACKENDS, CONNECTORS, MODES
 from kvferry.operator.spec.fields import Obj, f
 from kvferry.operator.spec.placement import Placement
@@ -129,6 +130,22 @@ class Role:
         minimum=0,
         maximum=3600,
     )
+    scheduler_name: str | None = f(
+        "Scheduler for this role's pods (pod schedulerName). Unset: the preset's; the Neuron presets "
+        "(trn2, trn1) name my-scheduler, the scheduler the Neuron Helm chart deploys with the Neuron "
+        "scheduler extension, which places multi-device pods on directly connected devices "
+        "(docs/trainium.md); others use the cluster's default scheduler.",
+        None,
+        minLength=1,
+        maxLength=253,
+    )
+    image_pull_secrets: list[str] = f(
+        "Names of Secrets (type kubernetes.io/dockerconfigjson, in the CR's namespace) the kubelet uses "
+        "to pull this role's engine image from a private registry.",
+        [],
+        maxItems=16,
+        items={"minLength": 1, "maxLength": 253},
+    )
 
 
 @dataclass
@@ -216,6 +233,12 @@ class Spec:
     )
     autoscaling: Autoscaling | None = f(
         "Scale prefill and decode to latency targets (docs/autoscaling.md); unset = replicas as given.", None
+    )
+    compile_cache: CompileCache | None = f(
+        "Neuron presets (trn2, trn1): where compiled graphs persist across restarts (docs/trainium.md "
+        '"Compile cache"). Unset: a hostPath on the node under /var/lib/kvferry/neuron-cache. '
+        "Other presets ignore it.",
+        None,
     )
 
     def role_accelerator(self, role: str) -> str:

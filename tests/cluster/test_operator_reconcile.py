@@ -21,8 +21,9 @@ PRESETS = {
     .decode(tensorParallelSize=4),
     "p5": make_inference("pb", accelerator="p5"),
     "trn2": make_inference("pc", accelerator="trn2")
-    .prefill(tensorParallelSize=16)
-    .decode(tensorParallelSize=16),
+    .kv(connector="vllm", mode="pull")
+    .prefill(tensorParallelSize=4)
+    .decode(tensorParallelSize=8),
     "trn1": make_inference("pd", accelerator="trn1").kv(connector="vllm", mode="pull"),
     "cpu": make_inference("pe"),
     "none": make_inference("pf", accelerator="none", image="registry.example/vllm:1"),

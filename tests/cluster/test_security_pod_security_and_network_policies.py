@@ -21,7 +21,10 @@ pytestmark = pytest.mark.cluster
 PRESETS = {
     "p5en": make_inference("sec-p5en", accelerator="p5en").prefill(tensorParallelSize=2),
     "p5": make_inference("sec-p5", accelerator="p5"),
-    "trn2": make_inference("sec-trn2", accelerator="trn2").prefill(tensorParallelSize=16),
+    "trn2": make_inference("sec-trn2", accelerator="trn2")
+    .kv(connector="vllm", mode="pull")
+    .prefill(tensorParallelSize=16)
+    .decode(tensorParallelSize=16),
     "trn1": make_inference("sec-trn1", accelerator="trn1").kv(connector="vllm", mode="pull"),
     "cpu": make_inference("sec-cpu").set(
         networkPolicy={"clients": [{"namespaceSelector": {"matchLabels": {"team": "a"}}}]}

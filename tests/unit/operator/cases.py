@@ -162,6 +162,43 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         make_inference("bad26", accelerator="p5en").decode(accelerator="trn2").obj(),
         "spec.decode.accelerator",
     ),
+    # Neuron (trn2, trn1): no kvferry connector, no push; KV heads the kvferry connector cannot split.
+    (
+        "kvferry-connector-on-trn2",
+        make_inference("bad28", accelerator="trn2").kv(mode="pull").obj(),
+        "spec.kvTransfer.connector",
+    ),
+    (
+        "kvferry-connector-on-trn1",
+        make_inference("bad29", accelerator="trn1").kv(mode="pull").obj(),
+        "spec.kvTransfer.connector",
+    ),
+    (
+        "upstream-push-on-trn2",
+        make_inference("bad30", accelerator="trn2").kv(connector="vllm", mode="push").obj(),
+        "spec.kvTransfer.mode",
+    ),
+    (
+        "kvferry-tp-replicates-kv-heads",
+        make_inference("bad31", accelerator="p5en", model="Qwen/Qwen3-32B")
+        .decode(tensorParallelSize=16)
+        .obj(),
+        "spec.decode.tensorParallelSize",
+    ),
+    (
+        "kvferry-tp-splits-kv-heads-unevenly",
+        make_inference("bad32", accelerator="p5en", model="Qwen/Qwen3-32B")
+        .prefill(tensorParallelSize=3)
+        .obj(),
+        "spec.prefill.tensorParallelSize",
+    ),
+    (
+        "compile-cache-pvc-without-claim",
+        make_inference("bad33", accelerator="trn2", compileCache={"volume": "persistentVolumeClaim"})
+        .kv(connector="vllm", mode="pull")
+        .obj(),
+        "spec.compileCache.claimName",
+    ),
     (
         "mixed-presets-upstream-connector",
         make_inference("bad27", accelerator="p5en").kv(connector="vllm").decode(accelerator="p5").obj(),
@@ -182,7 +219,13 @@ VALID = {
     .router(serviceType="LoadBalancer", apiKeySecret={"name": "router-key", "key": "api-key"})
     .obj(),
     "decode-spans-two-p5en": make_inference("ok6", accelerator="p5en").decode(tensorParallelSize=16).obj(),
-    "decode-spans-two-trn2": make_inference("ok7", accelerator="trn2").decode(tensorParallelSize=128).obj(),
+    # Neuron: the upstream NixlConnector in pull mode, TP 4 prefill / TP 8 decode (docs/trainium.md).
+    "trn2-neuron-documented": make_inference("ok7", accelerator="trn2")
+    .kv(connector="vllm", mode="pull")
+    .prefill(tensorParallelSize=4, schedulerName="default-scheduler", imagePullSecrets=["regcred"])
+    .decode(tensorParallelSize=8)
+    .set(compileCache={"volume": "persistentVolumeClaim", "claimName": "neuron-cache"})
+    .obj(),
     "prefill-p5en-decode-p5": make_inference("ok9", accelerator="p5en").decode(accelerator="p5").obj(),
     "placement-required": make_inference(
         "ok8", placement={"sameZone": "required", "networkTopology": "none"}

@@ -47,7 +47,14 @@ def test_p5_hugepages_scale_with_tp_and_trn2_uses_neuron_devices() -> None:
     )
     assert p5["containers"][0]["resources"]["limits"]["hugepages-2Mi"] == "2560Mi"
     trn = _engine(
-        _objects(make_inference("b", accelerator="trn2").prefill(tensorParallelSize=16).obj()), "b-prefill"
+        _objects(
+            make_inference("b", accelerator="trn2")
+            .kv(connector="vllm", mode="pull")
+            .prefill(tensorParallelSize=16)
+            .decode(tensorParallelSize=16)
+            .obj()
+        ),
+        "b-prefill",
     )
     limits = trn["containers"][0]["resources"]["limits"]
     assert (limits["aws.amazon.com/neuron"], limits["vpc.amazonaws.com/efa"]) == (4, 4)
@@ -147,8 +154,9 @@ def test_names_are_truncated_to_63_with_a_hash() -> None:
 def test_rendered_kinds_are_the_ones_tests_and_benchmarks_count(accelerator: str) -> None:
     from kvferry.operator.apply import RENDERED_KINDS, RESOURCES
 
-    kinds = {
-        o["kind"] for o in render(make_inference("k", accelerator=accelerator, image="i:1").obj()).objects
-    }
+    builder = make_inference("k", accelerator=accelerator, image="i:1")
+    if accelerator == "trn2":  # Neuron runs the upstream connector in pull mode only (rules.py)
+        builder.kv(connector="vllm", mode="pull")
+    kinds = {o["kind"] for o in render(builder.obj()).objects}
     assert kinds == set(RENDERED_KINDS)
     assert all(k in RESOURCES for k in RENDERED_KINDS)  # the operator's client knows each path

@@ -15,6 +15,7 @@ import yaml
 from kvferry.operator.render import security
 from kvferry.operator.render.objects import render
 from kvferry.operator.spec import EFA_ACCELERATORS, SpecError, parse_spec
+from kvferry.operator.spec.constants import NEURON_ACCELERATORS
 from kvferry.operator.status import conditions as status
 
 from tests.unit.operator.cases import make_inference
@@ -29,6 +30,8 @@ BASELINE_CAPS = {
 
 def cr(preset: str, **spec: Any) -> dict[str, Any]:
     image = {"image": "registry.example/vllm:1"} if preset == "none" else {}
+    if preset in NEURON_ACCELERATORS:  # Neuron runs the upstream connector in pull mode only
+        spec = {"kvTransfer": {"connector": "vllm", "mode": "pull"}, **spec}
     return make_inference(f"s-{preset}", namespace="ns", accelerator=preset, **image, **spec).obj()
 
 
