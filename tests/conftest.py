@@ -2,6 +2,7 @@
 this top-level conftest): test modules request them by name and import only plain helpers."""
 
 pytest_plugins = [
+    "tests.cluster.plane_fixtures",
     "tests.cluster.operator_fixtures",
     "tests.cluster.engine_metrics",
     "tests.cluster.status_log",

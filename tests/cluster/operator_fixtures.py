@@ -82,9 +82,16 @@ class OperatorProcess:
     """`kvferry operator` as a subprocess; stopped by PID."""
 
     def __init__(
-        self, kubeconfig: Path, namespace: str, log: Path, *args: str, env: dict[str, str] | None = None
+        self,
+        kubeconfig: Path,
+        namespace: str,
+        log: Path,
+        *args: str,
+        env: dict[str, str | None] | None = None,
+        exe: str | None = None,
     ):
-        exe = shutil.which("kvferry")
+        # exe: another installation's console script (tests/wheel: the built wheel's, in a clean venv).
+        exe = exe or shutil.which("kvferry")
         assert exe, "kvferry console script not on PATH (source scripts/env.sh)"
         self.log = log
         self.liveness = f"127.0.0.1:{reserve_ports(1)[0]}"
@@ -105,6 +112,7 @@ class OperatorProcess:
         # kwok pods serve nothing: engine metrics come from test servers through --metrics-url, read
         # pod by pod. The router path (one request per CR) has its own test with a real router.
         env = {**os.environ, "KVFERRY_TRANSFER_SOURCE": "pods", **(env or {})}
+        env = {k: v for k, v in env.items() if v is not None}  # None in `env`: unset it
         self.proc = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT, env=env)
 
     def text(self) -> str:
@@ -162,10 +170,11 @@ def start_operator(operator_kubeconfig, namespace, tmp_path) -> Iterator[Callabl
     stopped at teardown and its log must show no 403 (the shipped RBAC is enough)."""
     started: list[OperatorProcess] = []
 
-    def start(*args: str, env: dict[str, str] | None = None, wait: bool = True) -> OperatorProcess:
-        op = OperatorProcess(
-            operator_kubeconfig, namespace, tmp_path / f"operator-{len(started)}.log", *args, env=env
-        )
+    def start(
+        *args: str, env: dict[str, str | None] | None = None, wait: bool = True, exe: str | None = None
+    ) -> OperatorProcess:
+        log = tmp_path / f"operator-{len(started)}.log"
+        op = OperatorProcess(operator_kubeconfig, namespace, log, *args, env=env, exe=exe)
         started.append(op)
         if wait:
             op.wait_started()
