@@ -225,3 +225,11 @@ def test_the_trn2_example_is_the_trn2_golden() -> None:
     example = ROOT / "manifests" / "examples" / "trn2-llama3-8b-1p1d.yaml"
     golden = Path(__file__).parent / "golden" / "trn2" / "input.yaml"
     assert yaml.safe_load(example.read_text()) == yaml.safe_load(golden.read_text())
+
+
+@pytest.mark.parametrize("preset", NEURON_ACCELERATORS)
+def test_neuron_router_mode_matches_the_pull_transfer(preset: str) -> None:
+    (cm,) = [o for o in render(builder(preset).obj()).objects if o["kind"] == "ConfigMap"]
+    assert yaml.safe_load(cm["data"]["router.yaml"])["mode"] == "vllm-pull"
+    (row,) = [line for line in DOC.splitlines() if line.startswith("| transfer mode / router mode |")]
+    assert row.count("pull (`vllm-pull`)") == 2 and "[S3]" in row and "[S5]" in row
