@@ -98,6 +98,8 @@ def decode(payload: bytes) -> Batch:
         frame = _frame.decode(payload)
     except msgspec.DecodeError as exc:  # ValidationError too: more than MAX_BATCH_EVENTS included
         raise EventError(f"not a vLLM KV-event batch: {exc}") from exc
+    except RecursionError:  # msgspec's guard against nesting deeper than the interpreter allows
+        raise EventError("not a vLLM KV-event batch: nested too deep") from None
     return Batch(frame.ts, frame.events)
 
 
@@ -243,12 +245,12 @@ class EngineBlocks:
             return _event.decode(raw)
         except msgspec.ValidationError:
             pass
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             change.refused += 1
             return None
         try:
             known = _tag.decode(raw).type in _KNOWN
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             known = False
         if known:
             change.refused += 1  # a known event past a bound (hash bytes, blocks, tokens): refused

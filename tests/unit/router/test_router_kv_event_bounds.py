@@ -78,6 +78,12 @@ def test_a_batch_with_too_many_events_is_not_a_batch() -> None:
         kvevents.decode(payload)
 
 
+def test_nesting_deeper_than_the_interpreter_allows_is_a_broken_frame_not_a_crash() -> None:
+    deep = b"\x91" * 200_000 + b"\x90"  # msgpack: a list in a list ... 200,000 deep
+    with pytest.raises(kvevents.EventError, match="nested too deep"):
+        kvevents.decode(b"\x93" + _enc.encode(1.0) + b"\x91" + deep + b"\x00")
+
+
 def test_a_batch_that_cannot_be_read_forgets_the_engines_blocks() -> None:
     state = kvevents.EngineBlocks(BLOCK, 100)
     assert state.apply(0, batch(stored([b"a"], None, list(range(BLOCK))))) is not None
