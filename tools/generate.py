@@ -8,6 +8,7 @@
 `--check` generates the same in memory (helm renders a temporary copy of the chart) and exits 1 naming
 every file that differs, is missing, or is left over. Release artifacts, so this lives in tools/, not in
 the development-only kvferry.local: it runs from a checkout (--root) and in CI (scripts/test.sh).
+`--crds` prints step 1's CRDs alone, which needs no checkout: an install from the wheel applies them.
 """
 
 from __future__ import annotations
@@ -154,7 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvferry generate", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 naming every stale file")
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout to generate into")
+    parser.add_argument(
+        "--crds",
+        action="store_true",
+        help="print the CRDs (crds/*.yaml) and exit; needs no checkout: an install from the wheel applies "
+        "them with `kvferry generate --crds | kubectl apply --server-side -f -`",
+    )
     args = parser.parse_args(argv)
+    if args.crds:
+        sys.stdout.write("---\n".join(crdgen.dump(docs, source) for docs, source in crd_files().values()))
+        return 0
     root = args.root.resolve()
     if not (root / CHART / "Chart.yaml").exists():
         print(f"kvferry generate: {root} has no {CHART}: run it in a kvferry checkout", file=sys.stderr)
