@@ -87,7 +87,8 @@ def type_schema(tp: Any, extra: dict[str, Any], with_defaults: bool) -> dict[str
         _, val_tp = typing.get_args(tp)
         if val_tp is str:
             return {"type": "object", "additionalProperties": {"type": "string"}}
-        return dict(_FREE_OBJECT)
+        # A free object may declare some fields (CEL reads only declared ones); the rest is kept.
+        return {**_FREE_OBJECT, **extra}
     return {"type": _SCALARS[tp], **extra}
 
 

@@ -8,41 +8,14 @@ ready) would re-apply everything and post a false DriftCorrected: a drift storm.
 
 from __future__ import annotations
 
-import re
-from fractions import Fraction
 from typing import Any
 
+from kvferry.operator.spec.quantity import quantity
+
 # Keys whose values are Kubernetes quantities (resources.requests/limits maps, emptyDir sizeLimit).
+# quantity() is bounded (spec/quantity.py): a CR's hostile exponent costs nothing here.
 QUANTITY_MAPS = {"requests", "limits"}
 QUANTITY_KEYS = {"sizeLimit", "storage"}
-_SUFFIX = {
-    "Ki": 2**10,
-    "Mi": 2**20,
-    "Gi": 2**30,
-    "Ti": 2**40,
-    "Pi": 2**50,
-    "Ei": 2**60,
-    "n": Fraction(1, 10**9),
-    "u": Fraction(1, 10**6),
-    "m": Fraction(1, 10**3),
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "P": 10**15,
-    "E": 10**18,
-}
-_QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:([eE][+-]?\d+)|(" + "|".join(_SUFFIX) + "))?$")
-
-
-def quantity(value: Any) -> Fraction | None:
-    """The exact value of a Kubernetes quantity (`5Gi`, `1000m`, `1e3`, `8`), or None if it is not one."""
-    match = _QUANTITY.match(str(value).strip())
-    if match is None:
-        return None
-    number, exponent, suffix = match.groups()
-    scale = Fraction(10) ** int(exponent[1:]) if exponent else Fraction(_SUFFIX.get(suffix or "", 1))
-    return Fraction(number) * scale
 
 
 def same_scalar(desired: Any, actual: Any, quantities: bool) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -54,6 +55,8 @@ def _check_scalar(value: Any, tp: Any, schema: dict[str, Any], path: str, errors
         errors.append(f"{path}: must not be empty")
     if "maxLength" in schema and isinstance(value, str) and len(value) > schema["maxLength"]:
         errors.append(f"{path}: longer than {schema['maxLength']} characters")
+    elif "pattern" in schema and isinstance(value, str) and re.search(schema["pattern"], value) is None:
+        errors.append(f"{path}: {value!r} does not match the pattern {schema['pattern']}")
 
 
 def _convert(value: Any, tp: Any, schema: dict[str, Any], path: str, errors: list[str]) -> Any:

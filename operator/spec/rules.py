@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvferry.operator.flags import OWNED_FLAGS, SHORT_ALIASES, cel_no_owned_flags, owned_flags_in
 from kvferry.operator.spec.autoscaling import Autoscaling
@@ -16,6 +17,15 @@ from kvferry.operator.spec.constants import (
     MAX_TP,
     MULTI_NODE_ACCELERATORS,
     NEURON_ACCELERATORS,
+)
+from kvferry.operator.spec.podinputs import (
+    QUANTITY_MESSAGE,
+    RESERVED_ENV,
+    RESERVED_ENV_MESSAGE,
+    bad_quantities,
+    cel_no_reserved_env,
+    cel_quantities,
+    reserved_env_in,
 )
 from kvferry.operator.spec.types import Spec
 
@@ -305,6 +315,41 @@ NAME_RULE = (
     "StatefulSet revision hash must fit the 63-character label limit",
 )
 
+
+# ---- what a CR hands into its pods verbatim (spec/podinputs.py): quantities, env names ----
+
+
+def _quantity_rule(path: str, resources: Callable[[Spec], Any]) -> Rule:
+    return Rule(
+        f".{path}",
+        cel_quantities(path),
+        f"{path} {QUANTITY_MESSAGE}",
+        lambda s: not bad_quantities(resources(s)),
+    )
+
+
+def _env_rule(role: str) -> Rule:
+    return Rule(
+        f".{role}.env",
+        cel_no_reserved_env(f"{role}.env"),
+        f"{role}.env {RESERVED_ENV_MESSAGE}",
+        lambda s: not reserved_env_in(getattr(s, role).env),
+    )
+
+
+RULES += [
+    _quantity_rule("prefill.resources", lambda s: s.prefill.resources),
+    _quantity_rule("decode.resources", lambda s: s.decode.resources),
+    _quantity_rule("router.resources", lambda s: s.router.resources),
+    _env_rule("prefill"),
+    _env_rule("decode"),
+    Rule(
+        ".modelToken.env",
+        f"!has(self.modelToken) || !(self.modelToken.env in [{', '.join(repr(n) for n in RESERVED_ENV)}])",
+        f"modelToken.env {RESERVED_ENV_MESSAGE}",
+        lambda s: s.model_token is None or s.model_token.env not in RESERVED_ENV,
+    ),
+]
 
 # ---- parsing: the same constraints, offline, with errors naming the field ----
 

@@ -9,6 +9,7 @@ from kvferry.operator.spec.compile_cache import CompileCache
 from kvferry.operator.spec.constants import ACCELERATORS, BACKENDS, CONNECTORS, MODES
 from kvferry.operator.spec.fields import Obj, f
 from kvferry.operator.spec.placement import Placement
+from kvferry.operator.spec.podinputs import ENV_ITEM_SCHEMA, IMAGE_SCHEMA, RESOURCES_SCHEMA
 from kvferry.operator.spec.routing import Routing
 
 
@@ -112,9 +113,17 @@ class Role:
         "Extra vLLM args for this role only.", [], maxItems=64, items={"maxLength": 4096}
     )
     env: list[Obj] = f(
-        "Extra container env (Kubernetes EnvVar); wins over preset env by name.", [], maxItems=128
+        "Extra container env (Kubernetes EnvVar); wins over preset env by name. The engine's identity "
+        "(POD_NAME, POD_NAMESPACE, POD_IP, VLLM_NIXL_SIDE_CHANNEL_HOST/PORT) is the operator's.",
+        [],
+        maxItems=128,
+        items=ENV_ITEM_SCHEMA,
     )
-    resources: Obj = f("Container resources; keys here win over the preset's.", {})
+    resources: Obj = f(
+        "Container resources (limits, requests: bounded quantities); keys here win over the preset's.",
+        {},
+        **RESOURCES_SCHEMA,
+    )
     node_selector: dict[str, str] = f("Extra node selector, merged over the preset's.", {})
     tolerations: list[Obj] = f("Extra tolerations, added to the preset's.", [], maxItems=32)
     affinity: Obj = f("Pod affinity (Kubernetes Affinity), used as given.", {})
@@ -193,11 +202,17 @@ class Router:
     policy: str = f(
         "How the router picks a decode pod.", "least-loaded", enum=["least-loaded", "round-robin"]
     )
-    image: str | None = f("Router image; unset uses the operator's own image.", None)
+    image: str | None = f(
+        "Router image (tag and/or @sha256: digest); unset uses the operator's own image.",
+        None,
+        **IMAGE_SCHEMA,
+    )
     service_type: str = f(
         "Type of the client-facing Service.", "ClusterIP", enum=["ClusterIP", "NodePort", "LoadBalancer"]
     )
-    resources: Obj = f("Router container resources.", {})
+    resources: Obj = f(
+        "Router container resources (limits, requests: bounded quantities).", {}, **RESOURCES_SCHEMA
+    )
     api_key_secret: SecretKeyRef | None = f(
         "Secret holding the API key clients must send (Authorization: Bearer); unset = no key. "
         "Passed to the router as an env var from the Secret, never written into any object.",
@@ -212,7 +227,12 @@ class Spec:
 
     model: str = f("Model name (Hugging Face id) or path inside the image.", minLength=1)
     served_model_name: str | None = f("Name clients use; unset uses `model`.", None)
-    image: str | None = f("vLLM image for both roles; unset uses the preset's.", None)
+    image: str | None = f(
+        "vLLM image for both roles; unset uses the preset's. A digest (`repo@sha256:...`, with or "
+        "without a tag) pins the code: a re-pushed tag changes it under the same revision.",
+        None,
+        **IMAGE_SCHEMA,
+    )
     accelerator: str = f(
         "Hardware preset: p5en, p5, trn2, trn1, cpu, or none (set everything yourself).",
         "cpu",
