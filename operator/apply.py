@@ -13,6 +13,11 @@ into. On such a 409 the name is read again and checked again: a foreign object r
 (A plain POST would also be create-only, but it records the fields under an Update entry of `kvferry`,
 so fields the operator later stops rendering would never be removed by its applies.)
 
+Every other write (a StatefulSet's /scale, an engine pod's labels, a CR's finalizers) goes through
+`write_owned`: the same check (`not_controlled`: the target's controller owner reference carries the
+expected owner's UID) on the object as read, and a merge patch conditional on that read's
+resourceVersion and uid. Nothing writes by name alone.
+
 Conflicts: an apply first goes without `force`; on a field-manager conflict it is repeated with
 `force=true`. The rendered objects only hold fields the operator owns, so forcing only takes those back
 (a hand edit of the image, say); fields we never render (HPA-owned replicas, other controllers'
@@ -114,15 +119,27 @@ def controller(obj: dict[str, Any]) -> dict[str, Any] | None:
     return next((r for r in refs if r.get("controller")), None)
 
 
+def not_controlled(
+    existing: dict[str, Any], owner_uid: str, kind: str, owner: str = "the operator's"
+) -> str | None:
+    """THE ownership check: why `existing` is not the operator's to write as `owner_uid`'s, or None.
+
+    Writable: the owner itself (a CR's own finalizers) and what its controller owner reference names
+    by UID. A name proves nothing: a CR `db` renders `db-prefill`, which may be another team's.
+    """
+    meta = existing.get("metadata") or {}
+    have = controller(existing)
+    if owner_uid and (meta.get("uid") == owner_uid or (have and have.get("uid") == owner_uid)):
+        return None
+    who = f"{have.get('kind')} {have.get('name')}" if have else "no controller"
+    return f"{kind} {meta.get('name')} exists and is not {owner} (owner: {who})"
+
+
 def not_ours(existing: dict[str, Any], obj: dict[str, Any]) -> str | None:
     """Why `existing` (what holds `obj`'s name) is not controlled by `obj`'s controller, or None."""
-    want, have = controller(obj), controller(existing)
-    if want and have and want.get("uid") and have.get("uid") == want["uid"]:
-        return None
-    meta = obj["metadata"]
-    who = f"{have['kind']} {have['name']}" if have else "no controller"
+    want = controller(obj)
     owner = f"this {want['kind']}'s" if want else "the operator's"
-    return f"{obj['kind']} {meta['name']} exists and is not {owner} (owner: {who})"
+    return not_controlled(existing, (want or {}).get("uid", ""), obj["kind"], owner)
 
 
 @dataclass
@@ -297,18 +314,58 @@ class Kube:
         status, data = self._call("GET", kind, self.path(kind, namespace), query=query)
         return self._ok(status, data, f"list {kind} in {namespace}").get("items", [])
 
-    def patch_labels(self, kind: str, namespace: str, name: str, labels: dict[str, str]) -> dict[str, Any]:
-        """JSON merge patch of some labels of an object we do not render (an engine pod: network.py),
-        recorded under the field manager `kvferry`; other labels are left as they are."""
+    def write_owned(
+        self,
+        kind: str,
+        based_on: dict[str, Any],
+        owner_uid: str,
+        patch: dict[str, Any],
+        *,
+        sub: str | None = None,
+        what: str = "patch",
+    ) -> dict[str, Any]:
+        """The one door for every write that is not an apply: a JSON merge patch of `based_on` (the
+        `kind` object as read), only if `not_controlled` finds it `owner_uid`'s, and only
+        over that read's resourceVersion (409 if it changed since: the caller reads and decides
+        again), so an object replaced by someone else's since the read is never written.
+        Raises NotControlled (nothing written) or KubeError."""
+        meta = based_on["metadata"]
+        ns, name = meta.get("namespace"), meta["name"]
+        if (why := not_controlled(based_on, owner_uid, kind)) is not None:
+            raise NotControlled(f"{what} {kind} {ns}/{name} refused: {why}")
+        body = {
+            **patch,
+            "metadata": {**patch.get("metadata", {}), "resourceVersion": meta["resourceVersion"]},
+        }
+        if meta.get("uid"):  # the API server refuses a uid change (422): a same-named new object fails
+            body["metadata"]["uid"] = meta["uid"]
         code, data = self._call(
             "PATCH",
-            kind,
-            self.path(kind, namespace, name),
+            kind if sub is None else f"{kind}/{sub}",
+            self.path(kind, ns, name, sub),
             query={"fieldManager": names.FIELD_MANAGER},
-            body={"metadata": {"labels": labels}},
+            body=body,
             content_type="application/merge-patch+json",
         )
-        return self._ok(code, data, f"patch labels of {kind} {namespace}/{name}")
+        return self._ok(code, data, f"{what} {kind} {ns}/{name}")
+
+    def patch_labels(
+        self, kind: str, based_on: dict[str, Any], owner_uid: str, labels: dict[str, str]
+    ) -> dict[str, Any]:
+        """Merge some labels into an object we do not render (an engine pod, owner_uid its
+        StatefulSet's: network.py) under the field manager `kvferry`; other labels are left as they are."""
+        return self.write_owned(kind, based_on, owner_uid, {"metadata": {"labels": labels}}, what="label")
+
+    def scale(self, based_on: dict[str, Any], owner_uid: str, replicas: int) -> dict[str, Any]:
+        """Set a StatefulSet's replicas through its /scale subresource (RBAC: statefulsets/scale)."""
+        patch = {"spec": {"replicas": replicas}}
+        return self.write_owned("StatefulSet", based_on, owner_uid, patch, sub="scale", what="scale")
+
+    def set_finalizers(self, cr: dict[str, Any], finalizers: list[str]) -> dict[str, Any]:
+        """Replace a CR's finalizers (the CR is its own owner here), over the CR as read."""
+        patch = {"metadata": {"finalizers": finalizers or None}}
+        uid = cr["metadata"].get("uid", "")
+        return self.write_owned("DisaggregatedInference", cr, uid, patch, what="set finalizers of")
 
     def patch_status(
         self, namespace: str, name: str, status_patch: dict[str, Any], resource_version: str | None = None

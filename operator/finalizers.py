@@ -6,16 +6,22 @@ operator removes it, so with the operator uninstalled a CR (and its namespace) s
 This command removes only that finalizer (and kopf's default one, should an operator have run with
 default settings), by default only from CRs already being deleted, and refuses while an operator
 Deployment is ready in the cluster. See docs/operator.md and docs/troubleshooting.md.
+
+The running operator uses `stale`/`release_stale` on the CRs it serves: the finalizers a shard layout
+other than its own left behind (`operator.shards` changed), removed once the CR is being deleted.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvferry.operator import names
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
+
+if TYPE_CHECKING:
+    from kvferry.operator.apply import Kube
 
 FINALIZERS = (f"{names.GROUP}/finalizer", "kopf.zalando.org/KopfFinalizerMarker")
 SHARD_FINALIZER_PREFIX = f"{names.GROUP}/finalizer-shard-"  # sharded replicas' (handlers.shard_finalizer)
@@ -23,6 +29,41 @@ SHARD_FINALIZER_PREFIX = f"{names.GROUP}/finalizer-shard-"  # sharded replicas' 
 
 def ours(finalizer: str) -> bool:
     return finalizer in FINALIZERS or finalizer.startswith(SHARD_FINALIZER_PREFIX)
+
+
+def stale(cr: dict[str, Any], current: str) -> list[str]:
+    """The operator's finalizers on a CR being deleted other than `current` (this replica's), or [].
+
+    kopf removes only its own finalizer name, and that name carries the shard layout
+    (`kvferry.io/finalizer-shard-i-of-n`): after a change of operator.shards a CR keeps the old
+    layout's name, which no running replica would ever remove, and its deletion (and its namespace's)
+    would hang. Only once the CR is being deleted: while it lives, a replica of the old layout may
+    still be running through the rollout and would put its finalizer back (no replica adds one to a
+    CR being deleted: the API server refuses new finalizers then).
+    """
+    meta = cr.get("metadata") or {}
+    if not meta.get("deletionTimestamp"):
+        return []
+    return [f for f in meta.get("finalizers") or [] if ours(f) and f != current]
+
+
+def release_stale(kube: Kube, cr: dict[str, Any], current: str) -> list[str]:
+    """Remove `stale(cr, current)` from the CR (through Kube.set_finalizers: the ownership gate,
+    conditional on the CR as read); returns what was removed. A 409 (kopf removed its own meanwhile)
+    or a 404 (deleted) is left to the next watch event, which reads the CR anew."""
+    from kvferry.operator.apply import KubeError
+
+    drop = stale(cr, current)
+    if not drop:
+        return []
+    keep = [f for f in cr["metadata"].get("finalizers") or [] if f not in drop]
+    try:
+        kube.set_finalizers(cr, keep)
+    except KubeError as exc:
+        if exc.status not in (404, 409):
+            raise
+        return []
+    return drop
 
 
 # The chart's and manifests/install.yaml's operator Deployment carries both labels.

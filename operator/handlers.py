@@ -21,7 +21,7 @@ import logging
 from typing import Any
 
 import kopf
-from kvferry.operator import names, network, peering, reconcile, selfmetrics, shard
+from kvferry.operator import finalizers, names, network, peering, reconcile, selfmetrics, shard
 from kvferry.operator.apply import RENDERED_KINDS, RESOURCES, Kube, load_configuration
 from kvferry.operator.autoscale import timer as autoscale_timer
 from kvferry.operator.changes import Change, Changes
@@ -110,10 +110,11 @@ def watched_copy(body: Any) -> dict[str, Any]:
     Readers: status.conditions (role_status, role_problem, router_problem, summarize: the whole status,
     metadata.generation, spec.template.metadata.labels), publish.desired_replicas (spec.replicas),
     publish.newer/_versions and the autoscaler (metadata.resourceVersion, spec.replicas,
-    status.readyReplicas). A whole StatefulSet is ~16 KiB parsed; this is ~1 (issue 19).
+    status.readyReplicas), the ownership gate (metadata.uid, ownerReferences: apply.not_controlled).
+    A whole StatefulSet is ~16 KiB parsed; this is ~1 (issue 19).
     """
     meta, spec = body["metadata"], body.get("spec") or {}
-    keep_meta = ("name", "namespace", "uid", "resourceVersion", "generation", "labels")
+    keep_meta = ("name", "namespace", "uid", "resourceVersion", "generation", "labels", "ownerReferences")
     out: dict[str, Any] = {
         "apiVersion": body.get("apiVersion"),
         "kind": body.get("kind"),
@@ -373,6 +374,21 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         kw = {"trigger": "resync", "watched": watched_by(owned, body)}
         run = lambda: reconcile.reconcile(memo.kube, _plain(body), cfg, **kw)  # noqa: E731
         post(body, timed("resync", run))
+
+    @kopf.on.event(*CR, id="stale-finalizers", when=mine, registry=registry)
+    async def stale_finalizers(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        # A CR being deleted may carry another shard layout's finalizer, which no replica removes.
+        cr, current = _plain(body), shard_finalizer(index, count)
+        if finalizers.stale(cr, current):  # pure: nothing is read or written for every other event
+            loop = asyncio.get_running_loop()
+            gone = await loop.run_in_executor(memo.executor, finalizers.release_stale, memo.kube, cr, current)
+            if gone:
+                log.info(
+                    "removed stale finalizers %s of %s/%s",
+                    gone,
+                    cr["metadata"]["namespace"],
+                    body["metadata"]["name"],
+                )
 
     # spec.autoscaling: a planner evaluation per autoscaled CR each metrics interval (operator/autoscale/)
     autoscale_timer.register(registry, cfg, plain=_plain, watched_by=watched_by, when=mine)

@@ -7,7 +7,7 @@ its pods' labels, and is not granted Nodes (each router runs in a user namespace
 its metrics timer, reads each node an engine pod of the CR is bound to (once: the labels are fixed for
 an instance's life; cached with a bound) and labels the pod where its layers differ, in one merge patch
 under the field manager `kvferry`. Nodes without the labels (other clouds, other instance types) add
-nothing, and the router's choice is as before. Only pods of the CR's own StatefulSets are labelled.
+nothing, and the router's choice is as before. Only pods of the CR's own StatefulSets (by UID) are labelled.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from kvferry.contracts.labels import NETWORK_LAYERS
 from kvferry.operator import names
-from kvferry.operator.apply import Kube, KubeError
+from kvferry.operator.apply import Kube, KubeError, not_controlled
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +41,19 @@ def missing(pod: dict[str, Any], node_layers: Mapping[str, str]) -> dict[str, st
     return {k: v for k, v in node_layers.items() if have.get(k) != v}
 
 
-def to_label(pods: list[dict[str, Any]], cr_name: str) -> list[dict[str, Any]]:
-    """The CR's live engine pods that are bound to a node (the ones whose node is known)."""
+def to_label(pods: list[dict[str, Any]], owners: Mapping[str, str]) -> list[tuple[dict[str, Any], str]]:
+    """(pod, its StatefulSet's UID) of the CR's live engine pods bound to a node. `owners`: role ->
+    UID of the role's StatefulSet, which the caller found controlled by the CR (by UID); a pod
+    counts only if that StatefulSet controls it (a labelled pod made by hand is never written)."""
     out = []
     for pod in pods:
         meta = pod["metadata"]
         role = (meta.get("labels") or {}).get(names.LABEL_ROLE)
         if role not in names.ROLES or meta.get("deletionTimestamp") or not pod["spec"].get("nodeName"):
             continue
-        if names.owned_by_role_set(pod, cr_name, role):
-            out.append(pod)
+        uid = owners.get(role, "")
+        if uid and not_controlled(pod, uid, "Pod") is None:
+            out.append((pod, uid))
     return out
 
 
@@ -84,18 +87,19 @@ class NodeLayers:
         return found
 
 
-def label_pods(kube: Kube, pods: list[dict[str, Any]], cr_name: str, nodes: NodeLayers) -> int:
+def label_pods(kube: Kube, pods: list[dict[str, Any]], owners: Mapping[str, str], nodes: NodeLayers) -> int:
     """Label the CR's bound engine pods with their node's layers; update `pods` in place; return how many
-    were patched. A failed read or patch is logged and left to the next tick: status is still written."""
+    were patched. Every patch goes through Kube.patch_labels (the ownership gate, over the pod as
+    listed). A failed read or patch is logged and left to the next tick: status is still written."""
     patched = 0
-    for pod in to_label(pods, cr_name):
+    for pod, owner_uid in to_label(pods, owners):
         meta = pod["metadata"]
         try:
             want = missing(pod, nodes.get(kube, pod["spec"]["nodeName"]))
             if not want:
                 continue
-            kube.patch_labels("Pod", meta["namespace"], meta["name"], want)
-        except KubeError as exc:
+            kube.patch_labels("Pod", pod, owner_uid, want)
+        except KubeError as exc:  # NotControlled included: the pod changed hands since the list
             log.warning("network labels of pod %s/%s: %s", meta["namespace"], meta["name"], exc)
             continue
         meta["labels"] = {**(meta.get("labels") or {}), **want}

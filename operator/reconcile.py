@@ -204,7 +204,10 @@ def reconcile(
     )
 
     # Step 4: one status patch, written even when the apply failed; a newer watched copy wins.
-    out.status = publish(kube, cr, observed, watched, generation=generation, revision=rendered.revision)
+    # status.revision says the CR's objects are at that revision: not after a Conflict, where some of
+    # them are someone else's (the autoscaler and the metrics timer wait for a revision).
+    revision = None if out.conflict else rendered.revision
+    out.status = publish(kube, cr, observed, watched, generation=generation, revision=revision)
     out.events += flip_events(previous, out.status)
     return out
 

@@ -21,7 +21,7 @@ from enum import Enum
 from typing import Any
 
 from kvferry.operator import names
-from kvferry.operator.apply import Kube, KubeError, now_iso
+from kvferry.operator.apply import Kube, KubeError, NotControlled, not_controlled, now_iso
 from kvferry.operator.autoscale import writer
 from kvferry.operator.autoscale.planner import Decision, History, Plan, plan
 from kvferry.operator.autoscale.signals import EngineSample, Scrape, Window, parse_engine, window
@@ -134,6 +134,11 @@ class Autoscaler:
         sets = {r: watched(r) or kube.get("StatefulSet", ns, names.role_name(name, r)) for r in names.ROLES}
         if any(s is None for s in sets.values()):
             return []  # the reconcile creates them
+        if any(not_controlled(s, meta.get("uid", ""), "StatefulSet") for s in sets.values() if s):
+            # A StatefulSet of our name that this CR does not control (the reconcile reports the
+            # Conflict): neither plan from its metrics nor scale it. writer.scale checks again.
+            log.info("autoscale %s/%s: a role's StatefulSet is not this CR's; not evaluated", ns, name)
+            return []
         current = {r: int(s["spec"].get("replicas", 1)) for r, s in sets.items() if s}
         ready = {r: int(s.get("status", {}).get("readyReplicas", 0)) for r, s in sets.items() if s}
         scrape = read_engines(kube, cr, cfg, fetch)
@@ -171,8 +176,10 @@ class Autoscaler:
                     events.append(("Normal", _reason(d), f"{what} (published for an external scaler)"))
                 continue
             try:
-                rv = sets[d.role]["metadata"].get("resourceVersion", "")
-                writer.scale(kube, ns, name, d.role, d.desired, rv)
+                writer.scale(kube, sets[d.role], cr["metadata"].get("uid", ""), d.desired)
+            except NotControlled as exc:
+                events.append(("Warning", ScaleEvent.SCALE_FAILED, f"{what}: not written ({exc})"))
+                continue
             except KubeError as exc:
                 if exc.status == 409:  # the StatefulSet moved since it was read: plan again from it
                     log.info("autoscale %s/%s: %s not written, changed since read", ns, name, d.role)

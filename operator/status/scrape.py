@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import msgspec
 from kvferry.operator import names, network, selfmetrics
-from kvferry.operator.apply import Kube, now_iso
+from kvferry.operator.apply import Kube, not_controlled, now_iso
 from kvferry.operator.config import OperatorConfig, check_template
 from kvferry.operator.reconcile import Event
 from kvferry.operator.spec import EFA_ACCELERATORS
@@ -147,6 +147,17 @@ def _watched_or_read(kube: Kube, cr: dict[str, Any], watched: Watched) -> Watche
     return lambda role: watched(role) or copies.get(role)
 
 
+def role_owners(cr: dict[str, Any], workloads: Watched) -> dict[str, str]:
+    """Role -> UID of its StatefulSet, for the roles whose StatefulSet the CR controls (by UID)."""
+    uid = cr["metadata"].get("uid", "")
+    out = {}
+    for role in names.ROLES:
+        sts = workloads(role)
+        if sts is not None and not_controlled(sts, uid, "StatefulSet") is None:
+            out[role] = sts["metadata"].get("uid", "")
+    return out
+
+
 def scrape(
     kube: Kube,
     cr: dict[str, Any],
@@ -162,8 +173,9 @@ def scrape(
     if not previous.get("revision"):
         return []  # nothing rendered yet
     pods = kube.list("Pod", meta["namespace"], {names.LABEL_NAME: names.fit(meta["name"])})
+    workloads = _watched_or_read(kube, cr, watched)
     if nodes is not None:
-        network.label_pods(kube, pods, meta["name"], nodes)
+        network.label_pods(kube, pods, role_owners(cr, workloads), nodes)
     refusal = podchecks.start_failure(pods)  # a kvferry start-up step refused: pods never serve
     read = texts_from_router if cfg.transfer_source == "router" else texts_from_pods
     texts = read(pods, cfg, fetch, meta["name"])
@@ -192,7 +204,7 @@ def scrape(
     observed = Observed(
         placement={**roles, "zone": landed.summary(roles)}, gang=gang.observe_if_kueue(kube, cr)
     )
-    patch = publish(kube, cr, observed, _watched_or_read(kube, cr, watched), transfer=finding)
+    patch = publish(kube, cr, observed, workloads, transfer=finding)
     state, reason, message = verdicts[-1]
     selfmetrics.SCRAPES.labels("ok" if patch["transfer"]["scrapedPods"] else "no-pods-answered").inc()
     old = status.condition(previous, ConditionType.TRANSFER_HEALTHY)
