@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from kvferry.operator.status import metricstext
 from kvferry.operator.status.transfer import quantile
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -40,6 +41,8 @@ QUANTILES = {"p50": 0.5, "p90": 0.9}
 MIN_REQUESTS = 3
 
 Buckets = dict[float, float]  # le -> cumulative count
+# The families parse_engine reads (metricstext.relevant keeps only these before parsing).
+READ = (TTFT, ITL, "vllm:num_requests_", KV_USAGE, PREFILL_TIME)
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ def parse_engine(text: str) -> EngineSample:
     gauges = {WAITING: 0.0, RUNNING: 0.0, KV_USAGE: 0.0}
     capacity: float | None = None  # waiting for scheduling capacity, where the engine says so
     prefill_s: float | None = None
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(metricstext.relevant(text, READ)):
         for s in family.samples:
             if s.name == WAITING_BY_REASON:
                 if s.labels.get("reason") == "capacity":

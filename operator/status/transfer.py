@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.contracts import metrics as m
+from kvferry.operator.status import metricstext
 from kvferry.operator.status.conditions import Reason
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -47,10 +48,14 @@ class Sample:
     failed_checks: set[str] = field(default_factory=set)  # other start-up checks at 0 (e.g. efa_device)
 
 
+# The families parse() reads (metricstext.relevant keeps only these before parsing).
+READ = ("kvferry_", "vllm:nixl_", TOKENS_BY_SOURCE, "vllm:prefix_cache_")
+
+
 def parse(text: str) -> Sample:
     """Parse one pod's /metrics text. Raises ValueError on text that is not Prometheus exposition."""
     out = Sample()
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(metricstext.relevant(text, READ)):
         for s in family.samples:
             if s.name.startswith("kvferry_") and m.BACKEND in s.labels:
                 out.backends.add(s.labels[m.BACKEND])
@@ -65,7 +70,7 @@ def parse(text: str) -> Sample:
                 out.transfers += s.value
             elif s.name in FAILURES:
                 out.failures += s.value
-                reason = s.labels.get(m.REASON, "unknown")
+                reason = metricstext.reason(s.labels.get(m.REASON, "unknown"), out.failures_by_reason)
                 out.failures_by_reason[reason] = out.failures_by_reason.get(reason, 0) + s.value
             elif s.name in {h + "_bucket" for h in HISTOGRAMS}:
                 le = float(s.labels["le"])
