@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: set up (idempotent), lint (ruff, import layering, types), then run every suite
-# (unit, nixl, cluster, e2e).
+# (unit, nixl, cluster, wheel, e2e; the wheel tier builds and installs the wheel, cached per source hash).
 # Extra arguments go to pytest, e.g. `scripts/test.sh -m "not e2e"`.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -5,6 +5,7 @@
 checkout gets no build/ or egg-info and a stray file outside those folders cannot leak in. `clean_venv()`
 installs that wheel, non-editable, with extras, into a fresh venv (dependencies from uv's cache or the
 index). Both live under $KVFERRY_CACHE/wheel/<hash>/ and are rebuilt only when a source file changes.
+Offline, UV_OFFLINE=1 (passed through to uv) builds and installs from uv's cache alone.
 """
 
 from __future__ import annotations
