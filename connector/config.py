@@ -80,6 +80,9 @@ class KvferryConfig:
     # kv_buffer_device is "cpu" (nodes without GPUDirect RDMA); true forces it for host caches too
     # (tests: the same copies on vLLM-CPU).
     host_staging: bool = False
+    # Sentinel (sentinel.py): one request in N has a few tokens' KV digested by prefill and checked by
+    # decode when it lands (a mismatch fails the receive: sample_mismatch); 0 turns it off.
+    sentinel_every: NonNegative = 8
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> KvferryConfig:

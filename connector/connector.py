@@ -56,7 +56,9 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: KvferryScheduler | None = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = KvferryScheduler(self.cfg, tc.is_kv_producer, early_handoff(vllm_config))
+            self._scheduler = KvferryScheduler(
+                self.cfg, tc.is_kv_producer, early_handoff(vllm_config), group_windows(kv_cache_config)
+            )
         else:
             from kvferry.connector.worker import KvferryWorker  # NIXL is imported by workers only
 
@@ -73,6 +75,9 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     # ---- scheduler side ----
+    def on_new_request(self, request: Request) -> None:
+        self.sched.on_new_request(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -158,6 +163,14 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KvferryPromMetrics:
         return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def group_windows(kv_cache_config: Any) -> tuple[int, ...]:
+    """Each KV group's sliding window (0: full attention); () when vLLM gave no config."""
+    from kvferry.connector.kvcache import layer_spec, spec_window
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return tuple(spec_window(layer_spec(g.kv_cache_spec)) for g in groups)
 
 
 def early_handoff(vllm_config: VllmConfig) -> bool:

@@ -28,7 +28,8 @@ from kvferry.connector import actions as A
 from kvferry.connector import protocol as P
 from kvferry.connector.config import KvferryConfig
 from kvferry.connector.intake import admit
-from kvferry.connector.layout import KVLayout, refusal
+from kvferry.connector.kvcache import read_host
+from kvferry.connector.layout import KVLayout, LayoutError, refusal
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.notify import Notifier, Receive
 from kvferry.connector.pacing import Load, Usage, next_wait
@@ -36,6 +37,7 @@ from kvferry.connector.peers import Peers
 from kvferry.connector.preflight import backend_checks, efa_checks
 from kvferry.connector.preflight import record as record_checks
 from kvferry.connector.ratelimit import log_limited
+from kvferry.connector.sentinel import digest, sample_tokens, sampled, shared_heads
 from kvferry.connector.sidechannel import SideChannelServer
 from kvferry.connector.transport import NixlTransport
 from kvferry.connector.wire import (
@@ -48,7 +50,7 @@ from kvferry.connector.wire import (
     layout_to_wire,
 )
 from kvferry.connector.writes import InFlight, StuckWrite, Write
-from kvferry.contracts.metrics import LAYOUT_MISMATCH
+from kvferry.contracts.metrics import LAYOUT_MISMATCH, SAMPLE_MISMATCH
 
 log = logging.getLogger(__name__)
 Key = A.Key
@@ -186,7 +188,7 @@ class Endpoint:
                     f"tokens [{first_token}, {num_tokens}) do not start on a "
                     f"{self.layout.block_size}-token block of this rank"
                 )
-            self._recv[key] = (producer_host, producer_port, block_ids, first_token, num_tokens)
+            self._recv[key] = (producer_host, producer_port, block_ids, first_token, num_tokens, producer_tp)
             return self.consumer.expect(key, producer_engine, producer_tp, deadline, now)
 
         self._submit(run, key)
@@ -413,7 +415,42 @@ class Endpoint:
         if isinstance(msg, Cancel):
             key = (msg.request_id, msg.attempt)
             return self.producer.cancel(key, msg.consumer_engine, msg.consumer_rank, now)
+        if isinstance(msg, Done) and msg.sample and not self._sample_holds(msg):
+            msg = Failure(msg.request_id, msg.attempt, msg.producer_engine, msg.producer_rank,
+                          SAMPLE_MISMATCH, msg.revision)  # fmt: skip
         return self.consumer.notice(msg, now)
+
+    def _sample_holds(self, done: Done) -> bool:
+        """Consumer: the sampled tokens' KV in our blocks is what the producer digested (sentinel.py)."""
+        info = self._recv.get((done.request_id, done.attempt))
+        if info is None:  # not expected (the core rejects it) or already settled
+            return True
+        _, _, blocks, first_token, num_tokens, producer_tp = info
+        tokens = sample_tokens(self.layout, done.request_id, done.attempt, first_token, num_tokens)
+        heads = shared_heads(self.layout, done.producer_rank, producer_tp)
+        try:
+            ours = digest(self.layout, blocks, first_token, tokens, heads, read_host)
+        except (LayoutError, ValueError):
+            ours = "unreadable"
+        ok = ours == done.sample
+        self.metrics.record("sentinel", 1, "ok" if ok else "mismatch")
+        if not ok:
+            log_limited(log, logging.ERROR, "sample_mismatch",
+                        "kvferry: KV of %s from %s rank %d is not what it sent (sampled tokens %s): "
+                        "failing the receive", (done.request_id, done.attempt), done.producer_engine,
+                        done.producer_rank, tokens)  # fmt: skip
+        return ok
+
+    def _sample_sent(self, key: Key, blocks: list[list[int]], reg: Registration) -> str:
+        """Producer: the digest a sampled request's Done carries ("" when not sampled)."""
+        if not sampled(key[0], key[1], self.cfg.sentinel_every):
+            return ""
+        tokens = sample_tokens(self.layout, key[0], key[1], reg.first_token, reg.num_tokens)
+        heads = shared_heads(self.layout, reg.consumer_rank, reg.consumer_tp)
+        try:
+            return digest(self.layout, blocks, 0, tokens, heads, read_host)
+        except (LayoutError, ValueError):
+            return ""  # the mapping refuses the same blocks with its own reason
 
     def _check_writes(self, now: float) -> list[A.Action]:
         out: list[A.Action] = []
@@ -479,7 +516,10 @@ class Endpoint:
                 self.producer.write_finished(key, reg.consumer_rank, False, "handshake_failed", now), now
             )
             return
-        notif = encode(Done(reg.request_id, reg.attempt, self.engine_id, self.tp_rank, self.cfg.revision))
+        sample = self._sample_sent(key, action.block_ids, reg)
+        notif = encode(
+            Done(reg.request_id, reg.attempt, self.engine_id, self.tp_rank, self.cfg.revision, sample)
+        )
         if now >= action.deadline:  # the handshake took us past the consumer's deadline
             self._feed(self.producer.write_finished(key, reg.consumer_rank, False, "deadline", now), now)
             return

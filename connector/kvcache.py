@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from kvferry.connector.layout import KVLayout, LayoutError, split_heads
-from kvferry.connector.mapping import element_addresses
+from kvferry.connector.mapping import HOLE, element_addresses
 
 if TYPE_CHECKING:
     import torch
@@ -81,15 +81,26 @@ def probe_offsets(
 def read_elements(layout: KVLayout, block_ids: list[list[int]], num_tokens: int) -> np.ndarray:
     """This process's KV of a request (host memory), element by element through `layout`:
     layers x planes x heads x tokens x dims x element bytes (uint8), the same on any two ranks that
-    hold the same KV, whatever their block sizes and packings."""
+    hold the same KV, whatever their block sizes and packings. Tokens a windowed layer no longer
+    keeps read as zeros on every side."""
     if layout.memory != "DRAM":
         raise UnsupportedCacheError(
             "reading KV back needs host memory; VRAM caches are read by the GPU check"
         )
     addr = element_addresses(layout, block_ids, num_tokens)
-    lo, hi = int(addr.min()), int(addr.max()) + layout.elem_bytes
+    held = addr != HOLE
+    lo, hi = int(addr[held].min()), int(addr[held].max()) + layout.elem_bytes
     memory = np.frombuffer((ctypes.c_uint8 * (hi - lo)).from_address(lo), dtype=np.uint8)
-    return memory[(addr - lo)[..., None] + np.arange(layout.elem_bytes)]
+    out = memory[(np.where(held, addr, lo) - lo)[..., None] + np.arange(layout.elem_bytes)]
+    out[~held] = 0
+    return out
+
+
+def read_host(addr: np.ndarray, elem_bytes: int) -> bytes:
+    """The bytes of the elements at these host addresses, in order (sentinel.py's reader)."""
+    lo, hi = int(addr.min()), int(addr.max()) + elem_bytes
+    memory = np.frombuffer((ctypes.c_uint8 * (hi - lo)).from_address(lo), dtype=np.uint8)
+    return memory[(addr - lo)[..., None] + np.arange(elem_bytes)].tobytes()
 
 
 def int_of_size(n: int) -> Any:
@@ -108,6 +119,7 @@ def layout_from_tensors(
     tp_rank: int,
     tp_size: int,
     groups: list[int],
+    windows: list[int] | None = None,
 ) -> KVLayout:
     """A KVLayout over these layer tensors (same shape and strides), with measured block offsets."""
     first = tensors[0]
@@ -125,6 +137,7 @@ def layout_from_tensors(
             bases=[t.data_ptr() for t in tensors],
             num_blocks=first.shape[0],
             groups=groups,
+            windows=tuple(windows or ()),
             kind=kind,
             dtype=str(first.dtype).removeprefix("torch."),
             head_offset=local.start,
@@ -137,9 +150,24 @@ def layout_from_tensors(
         raise UnsupportedCacheError(str(exc)) from None
 
 
+def spec_window(spec: Any) -> int:
+    """The tokens a group keeps in vLLM's KV manager: a SlidingWindowSpec's window; 0 (all) for full
+    attention, including a windowed layer vLLM manages as full (hybrid allocator off)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return int(spec.sliding_window) if type(spec) is SlidingWindowSpec else 0
+
+
 def check_spec(name: str, spec: Any) -> None:
-    """Refuse KV cache specs kvferry cannot move element by element (MLA, Mamba, packed quant)."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+    """Refuse KV cache specs kvferry cannot move element by element or whose kept blocks it cannot
+    prove (MLA, Mamba, chunked-local, sinks, packed quant): only full attention and plain sliding
+    windows, whose kept tokens mapping.py derives (KVLayout.kept_from)."""
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     kind = type(spec).__name__
     if isinstance(spec, MLAAttentionSpec):
@@ -151,6 +179,17 @@ def check_spec(name: str, spec: Any) -> None:
         raise UnsupportedCacheError(
             f"layer {name}: KV cache spec {kind} is not attention K/V (hybrid state caches such as "
             "Mamba are not supported by kvferry)"
+        )
+    if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
+        raise UnsupportedCacheError(
+            f"layer {name}: KV cache spec {kind} keeps or frees blocks in a way kvferry does not prove "
+            "(only full attention and plain sliding windows are moved); serve this model without P/D "
+            "or with vLLM's NixlConnector"
+        )
+    if getattr(spec, "extra_retained_tokens", 0):
+        raise UnsupportedCacheError(
+            f"layer {name}: sliding window with extra_retained_tokens={spec.extra_retained_tokens} "
+            "(multi-token speculative prefill) is not supported by kvferry"
         )
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
     odd = {
@@ -180,7 +219,9 @@ def describe_kv_caches(
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
     groups, specs = {}, {}
+    windows = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        windows.append(spec_window(layer_spec(g.kv_cache_spec)))
         for n in g.layer_names:
             groups[n], specs[n] = i, g.kv_cache_spec
     layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, list(kv_caches))
@@ -188,7 +229,7 @@ def describe_kv_caches(
     order = getattr(vllm_config.cache_config, "kv_cache_layout", None) or ""
     measured: dict[tuple, tuple[str, np.ndarray]] = {}
     for name, tensor in kv_caches.items():
-        check_spec(name, _layer_spec(specs.get(name)))
+        check_spec(name, layer_spec(specs.get(name)))
         layer = layers.get(name)
         if layer is None:
             raise UnsupportedCacheError(f"layer {name}: no attention layer of that name in the model")
@@ -217,10 +258,11 @@ def describe_kv_caches(
         tp_rank=tp_rank,
         tp_size=tp_size,
         groups=[groups.get(n, 0) for n in kv_caches],
+        windows=windows,
     )
 
 
-def _layer_spec(spec: Any) -> Any:
+def layer_spec(spec: Any) -> Any:
     """UniformTypeKVCacheSpecs wraps per-layer specs of one type: look at the first."""
     inner = getattr(spec, "kv_cache_specs", None)
     return next(iter(inner.values())) if isinstance(inner, dict) and inner else spec

@@ -85,6 +85,9 @@ class KVLayout:
     regions: tuple[Region, ...]
     memory: str = "DRAM"  # NIXL memory type: DRAM (host) or VRAM (GPU)
     device_id: int = 0  # GPU index for VRAM
+    # Per KV group (index = group id): its sliding window in tokens, 0 for full attention. A windowed
+    # group holds only the window's tail; vLLM puts its shared null block where the window has passed.
+    windows: tuple[int, ...] = ()
     # Derived once per layout: block offsets, and in-block pieces per (peer fingerprint, run).
     _cache: dict[str, np.ndarray] = field(
         default_factory=dict, init=False, compare=False, repr=False, hash=False
@@ -123,6 +126,13 @@ class KVLayout:
             raise LayoutError("layout.regions differ in num_blocks")
         if self.memory not in ("DRAM", "VRAM"):
             raise LayoutError(f"layout.memory must be DRAM or VRAM, got {self.memory!r}")
+        if any(w < 0 for w in self.windows):
+            raise LayoutError(f"layout.windows must be >= 0 tokens, got {list(self.windows)}")
+        if self.windows and max(r.group for r in self.regions) >= len(self.windows):
+            raise LayoutError(
+                f"layout.windows has {len(self.windows)} groups, regions use group "
+                f"{max(r.group for r in self.regions)}"
+            )
         offsets = self.block_offsets()
         flat = np.sort(offsets.ravel())
         if flat.size > 1 and (np.diff(flat) < self.elem_bytes).any():
@@ -140,6 +150,17 @@ class KVLayout:
 
     def heads(self) -> range:
         return range(self.head_offset, self.head_offset + self.num_heads)
+
+    def window(self, group: int) -> int:
+        """Group's sliding window in tokens (0: full attention, every token is kept)."""
+        return self.windows[group] if group < len(self.windows) else 0
+
+    def kept_from(self, group: int, first_token: int, num_tokens: int) -> int:
+        """First token of [first_token, num_tokens) that the engine holding `num_tokens` tokens still
+        attends to when it computes token `num_tokens` next: a windowed group needs only the last
+        window - 1 of them (vLLM retires the blocks before that; both sides count the same way)."""
+        w = self.window(group)
+        return max(first_token, num_tokens - w + 1) if w else first_token
 
     def block_offsets(self) -> np.ndarray:
         """Byte offset of every element of one block, shape planes x heads x tokens x dims."""
@@ -197,6 +218,7 @@ class KVLayout:
             "planes": [[p.offset, list(p.token_offsets), list(p.dim_offsets)] for p in self.planes],
             "layers": len(self.regions),
             "groups": [r.group for r in self.regions],
+            "windows": [self.window(g) for g in sorted({r.group for r in self.regions})],
             "memory": self.memory,
         }
 
@@ -212,9 +234,14 @@ class KVLayout:
         )
         return (
             f"{self.kind} {self.dtype} block {self.block_size} heads {self.head_offset}+{self.num_heads}"
-            f"/{self.total_heads} dim {self.head_dim} layers {len(self.regions)} {self.memory} "
+            f"/{self.total_heads} dim {self.head_dim} layers {len(self.regions)}{self._windowed()} "
+            f"{self.memory} "
             f"[{planes}, head *{self.head_stride}, block *{self.block_stride}] #{self.fingerprint}"
         )
+
+    def _windowed(self) -> str:
+        wins = sorted({self.window(r.group) for r in self.regions} - {0})
+        return f" windows {wins}" if wins else ""
 
     # ---- constructors ----
     @classmethod
@@ -318,6 +345,11 @@ def _incompatibility(src: KVLayout, dst: KVLayout) -> str:
     for i, (a, b) in enumerate(zip(src.regions, dst.regions, strict=True)):
         if a.group != b.group:
             return f"layer {i} is in KV group {a.group} on the producer, {b.group} on the consumer"
+        if src.window(a.group) != dst.window(b.group):
+            return (
+                f"layer {i} has a {src.window(a.group)}-token window on the producer, "
+                f"{dst.window(b.group)} on the consumer (0: full attention)"
+            )
     if max(src.head_offset, dst.head_offset) >= min(src.heads().stop, dst.heads().stop):
         return f"producer heads {src.heads()} and consumer heads {dst.heads()} do not overlap"
     return ""

@@ -5,16 +5,23 @@ element of tokens [first_token, num_tokens) of the producer onto the consumer, e
 and `coalesce` merges byte ranges that are contiguous on both sides into as few NIXL descriptors as
 the two layouts allow. `element_addresses` is the same arithmetic for one side alone: what the
 read-back checks compare. numpy only.
+
+Sliding-window groups: vLLM keeps only a window's tail of a request's blocks and lists the shared
+null block where the window has passed (the worker turns it into `HOLE`). A windowed group moves only
+the tokens the consumer still attends to (`KVLayout.kept_from`); a needed token in a hole on either
+side is refused, never read from or written into a block the request does not own.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from kvferry.connector.layout import KVLayout, LayoutError, Pieces, check_compatible
+
+HOLE = -1  # a block list entry that holds none of the request's KV (vLLM's null block)
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,8 @@ def block_table(
     """Per group, the ids of the blocks holding tokens [first_token, num_tokens), range-checked (shape
     groups x n; column j is the block holding token first_token - first_token % block_size + j *
     block_size). `block_ids[g][0]` holds token `listed_from`, which must start a block: a decode that
-    already holds a prefix lists only the blocks it lacks."""
+    already holds a prefix lists only the blocks it lacks. `HOLE` entries stay HOLE (the callers
+    refuse a hole where a needed token sits)."""
     bs = layout.block_size
     if listed_from % bs:
         raise LayoutError(
@@ -80,7 +88,7 @@ def block_table(
                 f"{side} group {g} has {len(ids)} blocks, tokens [{listed_from}, {num_tokens}) need {need}"
             )
         row = np.asarray(ids[skip:need], dtype=np.int64)
-        bad = (row < 0) | (row >= limit)
+        bad = ((row < 0) & (row != HOLE)) | (row >= limit)
         if bad.any():
             raise LayoutError(f"{side} block id {int(row[bad][0])} out of range [0, {limit}) in group {g}")
         table[g] = row
@@ -88,7 +96,8 @@ def block_table(
 
 
 def element_addresses(layout: KVLayout, block_ids: Sequence[Sequence[int]], num_tokens: int) -> np.ndarray:
-    """Absolute byte address of every element of a request: layers x planes x heads x tokens x dims.
+    """Absolute byte address of every element of a request: layers x planes x heads x tokens x dims;
+    `HOLE` for the tokens a windowed layer no longer keeps (`KVLayout.kept_from`).
 
     What the read-back checks use: two sides hold the same KV when the bytes at these addresses
     (through each side's own layout) are equal for the heads they share."""
@@ -98,8 +107,13 @@ def element_addresses(layout: KVLayout, block_ids: Sequence[Sequence[int]], num_
     in_block = off[:, :, tok % layout.block_size, :]  # P x H x T x D
     out = np.empty((len(layout.regions), *in_block.shape), dtype=np.int64)
     for i, r in enumerate(layout.regions):
-        blocks = tab[r.group][tok // layout.block_size] * layout.block_stride
-        out[i] = r.base + blocks[None, None, :, None] + in_block
+        ids = tab[r.group][tok // layout.block_size]
+        kept = tok >= layout.kept_from(r.group, 0, num_tokens)
+        if (ids[kept] == HOLE).any():
+            t = int(tok[kept][ids[kept] == HOLE][0])
+            raise LayoutError(f"token {t} of group {r.group} is in a hole of this side's block list")
+        out[i] = r.base + (ids * layout.block_stride)[None, None, :, None] + in_block
+        out[i][:, :, ~kept, :] = HOLE
     return out
 
 
@@ -130,17 +144,30 @@ def plan(
     d_tab = block_table(
         dst, dst_blocks, num_tokens, "consumer", first_token=first_token, listed_from=first_token
     )
-    starts, lens = token_runs(first_token, num_tokens, src.block_size, dst.block_size)
+    # per group, the first token the consumer still needs (a window's tail; first_token otherwise)
+    kept = {g: dst.kept_from(g, first_token, num_tokens) for g in {r.group for r in dst.regions}}
+    starts, lens = token_runs(first_token, num_tokens, src.block_size, dst.block_size, cuts=kept.values())
     keys = np.stack([starts % src.block_size, starts % dst.block_size, lens], axis=1)
     parts: list[tuple[np.ndarray, ...]] = []
     for key in np.unique(keys, axis=0):
-        runs = np.flatnonzero((keys == key).all(axis=1))
+        every = np.flatnonzero((keys == key).all(axis=1))
         t_src, t_dst, t_len = _pattern(src, dst, *(int(k) for k in key), merge=merge)
-        s_blk = starts[runs] // src.block_size - first_token // src.block_size
-        d_blk = starts[runs] // dst.block_size - first_token // dst.block_size
         for i, (rs, rd) in enumerate(zip(src.regions, dst.regions, strict=True)):
-            s_base = rs.base + s_tab[rs.group][s_blk] * src.block_stride
-            d_base = rd.base + d_tab[rd.group][d_blk] * dst.block_stride
+            runs = every[starts[every] >= kept[rd.group]]
+            if not runs.size:
+                continue
+            s_blk = starts[runs] // src.block_size - first_token // src.block_size
+            d_blk = starts[runs] // dst.block_size - first_token // dst.block_size
+            s_ids, d_ids = s_tab[rs.group][s_blk], d_tab[rd.group][d_blk]
+            for side, ids in (("producer", s_ids), ("consumer", d_ids)):
+                if (ids == HOLE).any():
+                    t = int(starts[runs][ids == HOLE][0])
+                    raise LayoutError(
+                        f"{side} holds no block for token {t} of KV group {rd.group} (vLLM's null "
+                        f"block), which the consumer needs (tokens from {kept[rd.group]})"
+                    )
+            s_base = rs.base + s_ids * src.block_stride
+            d_base = rd.base + d_ids * dst.block_stride
             n = runs.size * t_len.size
             parts.append(
                 (
@@ -150,17 +177,78 @@ def plan(
                     np.full(n, i, dtype=np.int64),
                 )
             )
+    if not parts:  # every layer's window ends before the range (a 1-token window): nothing to move
+        empty = np.zeros(0, dtype=np.int64)
+        return Segments(empty, empty.copy(), empty.copy(), empty.copy(), empty.copy())
     src_a, dst_a, ln, reg = (np.concatenate(c) for c in zip(*parts, strict=True))
     return Segments(src_a, dst_a, ln, reg, reg.copy())
 
 
-def token_runs(first_token: int, num_tokens: int, *block_sizes: int) -> tuple[np.ndarray, np.ndarray]:
+def block_pairs(
+    src: KVLayout,
+    src_blocks: Sequence[Sequence[int]],
+    dst: KVLayout,
+    dst_blocks: Sequence[Sequence[int]],
+    num_tokens: int,
+    *,
+    first_token: int = 0,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Block-aligned layouts (`block_aligned`): per region, the producer's and the consumer's ids of
+    the whole blocks to copy, those holding tokens the consumer needs; a hole there is refused."""
+    if not block_aligned(src, dst):
+        raise LayoutError("whole-block copies need the same per-block layout on both sides")
+    s_tab = block_table(src, src_blocks, num_tokens, "producer", first_token=first_token)
+    d_tab = block_table(
+        dst, dst_blocks, num_tokens, "consumer", first_token=first_token, listed_from=first_token
+    )
+    bs, skip = dst.block_size, first_token // dst.block_size
+    s_out, d_out = [], []
+    for rs, rd in zip(src.regions, dst.regions, strict=True):
+        col = dst.kept_from(rd.group, first_token, num_tokens) // bs - skip
+        s_ids, d_ids = s_tab[rs.group][col:], d_tab[rd.group][col:]
+        for side, ids in (("producer", s_ids), ("consumer", d_ids)):
+            if (ids == HOLE).any():
+                b = int(np.flatnonzero(ids == HOLE)[0]) + col + skip
+                raise LayoutError(
+                    f"{side} holds no block for tokens [{b * bs}, {(b + 1) * bs}) of KV group "
+                    f"{rd.group} (vLLM's null block), which the consumer needs"
+                )
+        s_out.append(s_ids)
+        d_out.append(d_ids)
+    return s_out, d_out
+
+
+def missing_block(
+    layout: KVLayout, block_ids: Sequence[Sequence[int]], num_tokens: int, *, first_token: int = 0
+) -> str:
+    """Why this side's blocks (listed from `first_token`) cannot hold the tokens a transfer of
+    [first_token, num_tokens) needs: a hole (vLLM's null block) where a kept token sits; "" if none."""
+    try:
+        tab = block_table(
+            layout, block_ids, num_tokens, "this side", first_token=first_token, listed_from=first_token
+        )
+    except LayoutError as exc:
+        return str(exc)
+    bs, skip = layout.block_size, first_token // layout.block_size
+    for g in sorted({r.group for r in layout.regions}):
+        col = layout.kept_from(g, first_token, num_tokens) // bs - skip
+        holes = np.flatnonzero(tab[g][col:] == HOLE)
+        if holes.size:
+            b = int(holes[0]) + col + skip
+            return f"vLLM gave its null block for tokens [{b * bs}, {(b + 1) * bs}) of KV group {g}"
+    return ""
+
+
+def token_runs(
+    first_token: int, num_tokens: int, *block_sizes: int, cuts: Iterable[int] = ()
+) -> tuple[np.ndarray, np.ndarray]:
     """(starts, lengths) of the runs of tokens [first_token, num_tokens) that stay inside one block of
-    every given block size."""
-    cuts = [np.array([first_token, num_tokens], dtype=np.int64)]
+    every given block size, also cut at each of `cuts` (inside the range)."""
+    extra = [c for c in cuts if first_token < c < num_tokens]
+    edges = [np.array([first_token, num_tokens, *extra], dtype=np.int64)]
     for bs in block_sizes:
-        cuts.append(np.arange(first_token - first_token % bs + bs, num_tokens, bs, dtype=np.int64))
-    bounds = np.unique(np.concatenate(cuts))
+        edges.append(np.arange(first_token - first_token % bs + bs, num_tokens, bs, dtype=np.int64))
+    bounds = np.unique(np.concatenate(edges))
     return bounds[:-1], np.diff(bounds)
 
 

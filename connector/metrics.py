@@ -32,6 +32,13 @@ class Spec:
 
 SPECS = (
     Spec(
+        "sentinel",
+        Counter,
+        names.SENTINEL_CHECKS,
+        "Consumer: sampled KV checks when a WRITE landed (sentinel.py), by result (ok, mismatch)",
+        ("result",),
+    ),
+    Spec(
         "transfers",
         Counter,
         names.TRANSFERS,

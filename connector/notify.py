@@ -23,7 +23,8 @@ from kvferry.connector.wire import Cancel, Failure, PeerInfo, Registration, enco
 from kvferry.contracts.metrics import LAYOUT_MISMATCH
 
 log = logging.getLogger(__name__)
-Receive = tuple[str, int, list[list[int]], int, int]  # producer host, port; blocks, first token, end token
+# producer host, port; blocks, first token, end token; producer TP size
+Receive = tuple[str, int, list[list[int]], int, int, int]
 
 
 class Notifier:
@@ -73,7 +74,7 @@ class Notifier:
         """Consumer: the registration (or cancel) of `action.key` to each of its producer ranks.
         `deadline` is the receive's, on the monotonic clock of `now`; `registration_failed(rank, why)`
         when a producer rank will never see its registration."""
-        host, port, blocks, first_token, num_tokens = info
+        host, port, blocks, first_token, num_tokens, _ = info
         rid, attempt = action.key
         for rank in action.producer_ranks:
             if isinstance(action, SendCancel):

@@ -12,6 +12,17 @@ a reorder: CPU KV caches (the forward is synchronous), no async scheduling and n
 parallelism (so the request finishes in that same step's output, before any later schedule can
 touch its blocks). `request_finished` then only holds the blocks until the worker reports them sent.
 
+Sliding windows: vLLM's KV manager keeps only a window's tail of a windowed group's blocks and
+lists its shared null block where the window has passed, counting from the tokens it was told are
+computed. A decode that loads the whole prompt is told all N are computed, then recomputes the last
+one (to sample from it) with a window one token further back, into a block it already nulled.
+So with any windowed group the last prompt token is decode's own, as vLLM's NixlConnector does for
+Mamba: prefill computes and pushes N - 1 tokens (`on_new_request` shortens its prompt), decode loads
+N - 1 and computes token N - 1 itself; both sides then keep exactly the window that token needs.
+Prefill's own sampled token is then not the request's first token: its answer says so (`tail`).
+Null blocks become `HOLE` in every block list handed on, so nothing is ever read from or written
+into them (mapping.py refuses a needed token in a hole).
+
 Duplicate keys: a kvferry key (request_id, attempt) names one transfer. A second live request with
 the key of another (a client replaying params, a buggy router) is refused here, the one place that
 sees every request: on D it fails at once (kv_load_failure_policy), on P it frees its blocks without
@@ -26,7 +37,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvferry.connector.config import KvferryConfig
-from kvferry.contracts.params import ConsumerParams, ParamsError, ProducerParams, parse, wants_transfer
+from kvferry.connector.mapping import HOLE
+from kvferry.contracts.params import (
+    TAIL,
+    ConsumerParams,
+    ParamsError,
+    ProducerParams,
+    parse,
+    wants_transfer,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.request import RequestStatus
 
@@ -38,6 +57,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PUSHED_STATUSES = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+# vLLM's BlockPool takes block 0 as its shared null block (tests/unit/connector pins it).
+NULL_BLOCK_ID = 0
+
+
+def with_holes(block_ids: Any) -> list[list[int]]:
+    """Block ids per group with vLLM's null block as HOLE (it holds no request's KV)."""
+    return [[HOLE if b == NULL_BLOCK_ID else b for b in g] for g in block_ids]
 
 
 @dataclass
@@ -69,8 +95,16 @@ class KvferryMetadata(KVConnectorMetadata):
 
 
 class KvferryScheduler:
-    def __init__(self, cfg: KvferryConfig, is_producer: bool, early_handoff: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: KvferryConfig,
+        is_producer: bool,
+        early_handoff: bool = False,
+        windows: tuple[int, ...] = (),
+    ) -> None:
         self.cfg, self.is_producer, self.early_handoff = cfg, is_producer, early_handoff
+        # prompt tokens decode computes itself: the last one, where a group keeps only a window
+        self.tail = 1 if any(windows) else 0
         self._step = KvferryMetadata()
         self._candidates: dict[str, tuple[Request, list[list[int]]]] = {}  # producer: allocated this step
         self._early: dict[str, ProducerParams] = {}  # producer: handed over, request_finished not yet seen
@@ -79,13 +113,32 @@ class KvferryScheduler:
         self._owner: dict[tuple[str, int], str] = {}  # live kvferry key -> the vLLM request that holds it
         self._hits: dict[str, int] = {}  # consumer: req_id -> its local prefix-cache hit, until allocated
 
+    # ---- producer: prompt left to decode ----
+    def on_new_request(self, request: Request) -> None:
+        """Prefill computes the prompt but its last `tail` tokens (see the module docstring)."""
+        prompt = request.prompt_token_ids
+        if (
+            not self.is_producer
+            or not self.tail
+            or wants_transfer(request.kv_transfer_params) != "producer"
+            or prompt is None
+            or request.num_prompt_tokens <= self.tail
+            or request.get_skip_reading_prefix_cache()  # decode then loads nothing
+        ):
+            return
+        del prompt[-self.tail :]
+        del request._all_token_ids[-self.tail :]
+        request.num_prompt_tokens -= self.tail
+        request.max_tokens = 1
+
     # ---- consumer ----
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if self.is_producer or wants_transfer(request.kv_transfer_params) != "consumer":
             return 0, False
         if request.request_id in self._registered:
             return 0, False  # KV already arrived (or failed): a re-schedule computes the rest locally
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        # tail > 0: the last prompt token is computed here (prefill pushes all but it)
+        count = len(request.prompt_token_ids or ()) - self.tail - num_computed_tokens
         if count <= 0:
             return 0, False
         # D's own prefix-cache hit (whole blocks): only the tokens after it are registered and pushed.
@@ -101,9 +154,11 @@ class KvferryScheduler:
     ) -> None:
         if self.is_producer:
             if self._early_candidate(request):
-                self._candidates[request.request_id] = (request, [list(g) for g in blocks.get_block_ids()])
+                self._candidates[request.request_id] = (request, with_holes(blocks.get_block_ids()))
             return
-        hit = self._hits.pop(request.request_id, len(request.prompt_token_ids or ()) - num_external_tokens)
+        hit = self._hits.pop(
+            request.request_id, len(request.prompt_token_ids or ()) - self.tail - num_external_tokens
+        )
         if num_external_tokens <= 0 or request.request_id in self._registered:
             return
         try:
@@ -118,7 +173,7 @@ class KvferryScheduler:
             self._step.invalid.append((request.request_id, "duplicate kvferry key"))
             return
         self._registered[request.request_id] = params
-        block_ids = [list(g) for g in blocks.get_block_ids()]
+        block_ids = with_holes(blocks.get_block_ids())
         # vLLM sets request.num_computed_tokens only after this call: the hit is what it asked us with.
         num_tokens = hit + num_external_tokens
         self._step.expects.append(Expect(request.request_id, params, block_ids, num_tokens, hit))
@@ -193,14 +248,14 @@ class KvferryScheduler:
             self._step.aborted.append((params.request_id, params.attempt))  # consumers fail fast
             return False, None
         num_tokens = len(request.prompt_token_ids or ())
-        self._step.finished.append(
-            Finished(request.request_id, params, [list(g) for g in block_ids], num_tokens)
-        )
+        self._step.finished.append(Finished(request.request_id, params, with_holes(block_ids), num_tokens))
         return self._hold(request.request_id, params)
 
     def _hold(self, req_id: str, params: ProducerParams) -> tuple[bool, dict]:
         self._holding[req_id] = time.monotonic() + self.cfg.lease_s + 5.0
-        block = {"request_id": params.request_id, "attempt": params.attempt, "pushing": True}
+        block: dict[str, Any] = {"request_id": params.request_id, "attempt": params.attempt, "pushing": True}
+        if self.tail:  # this answer's token follows a shortened prompt: not the request's first token
+            block[TAIL] = self.tail
         return True, {"kvferry": block}
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

@@ -21,9 +21,12 @@ if TYPE_CHECKING:
 
 
 def block_runs(ids: list[int]) -> list[tuple[int, int]]:
-    """[start, stop) runs of consecutive block ids, in the order given."""
+    """[start, stop) runs of consecutive block ids, in the order given; holes (-1, no block of the
+    request's) are skipped."""
     runs: list[tuple[int, int]] = []
     for b in ids:
+        if b < 0:
+            continue
         if runs and runs[-1][1] == b:
             runs[-1] = (runs[-1][0], b + 1)
         else:

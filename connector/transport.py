@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from kvferry.connector.config import KvferryConfig
 from kvferry.connector.layout import KVLayout
-from kvferry.connector.mapping import Segments, block_aligned, block_table, coalesce, plan, pushed_blocks
+from kvferry.connector.mapping import Segments, block_aligned, block_pairs, coalesce, plan, pushed_blocks
 
 log = logging.getLogger(__name__)
 
@@ -176,12 +176,11 @@ class NixlTransport:
             peer.prepped = self.agent.prep_xfer_dlist(
                 peer.agent_name, _block_descs(peer.layout), peer.layout.memory
             )
-        s_tab = block_table(self.layout, src_blocks, num_tokens, "producer", first_token=first_token)
-        d_tab = block_table(
-            peer.layout, dst_blocks, num_tokens, "consumer", first_token=first_token, listed_from=first_token
+        s_ids, d_ids = block_pairs(
+            self.layout, src_blocks, peer.layout, dst_blocks, num_tokens, first_token=first_token
         )
-        s_idx = _block_indices(self.layout, s_tab)
-        d_idx = _block_indices(peer.layout, d_tab)
+        s_idx = _block_indices(self.layout, s_ids)
+        d_idx = _block_indices(peer.layout, d_ids)
         handle = self.agent.make_prepped_xfer("WRITE", self._local_prepped, s_idx, peer.prepped, d_idx, notif)
         return handle, int(s_idx.size), int(s_idx.size) * self.layout.page_bytes
 
@@ -221,7 +220,8 @@ def _block_descs(layout: KVLayout) -> np.ndarray:
     return _descs(addrs, np.full(addrs.size, layout.page_bytes, dtype=np.uint64), layout)
 
 
-def _block_indices(layout: KVLayout, table: np.ndarray) -> np.ndarray:
+def _block_indices(layout: KVLayout, per_region: list[np.ndarray]) -> np.ndarray:
+    """Indices into _block_descs of each region's blocks."""
     nb = layout.regions[0].num_blocks
-    rows = [i * nb + table[r.group] for i, r in enumerate(layout.regions)]
+    rows = [i * nb + ids for i, ids in enumerate(per_region)]
     return np.concatenate(rows).astype(np.int32)

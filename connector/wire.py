@@ -20,6 +20,11 @@ PROTOCOL_VERSION history (bump on any change to a message below; peers must be e
   5. Registration carries `first_token`: the consumer already holds the tokens before it (its own
      prefix-cache hit, whole consumer blocks) and its `block_ids` hold the tokens from it on; the
      producer writes only tokens [first_token, num_tokens).
+  6. Sliding windows: PeerInfo.layout carries each KV group's window (`windows`, 0: full attention),
+     in the fingerprint; a Registration's block id may be -1 (a block vLLM left as its null block,
+     out of the window), never written. Done carries `sample`: a digest of a few tokens' KV as the
+     producer sent them, which the consumer checks against its own blocks (sentinel.py); "" when the
+     producer did not sample this one.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from kvferry.contracts import versions
 PROTOCOL_VERSION = versions.WIRE_PROTOCOL_VERSION
 MAGIC = b"KVF" + bytes([PROTOCOL_VERSION])  # a mismatched peer fails on the first byte check
 
-Count = Annotated[int, msgspec.Meta(ge=0)]  # every count, rank, port and block id on the wire
+Count = Annotated[int, msgspec.Meta(ge=0)]  # every count, rank and port on the wire
+BlockId = Annotated[int, msgspec.Meta(ge=-1)]  # -1: no block (mapping.HOLE)
 
 
 class WireError(ValueError):
@@ -72,7 +78,7 @@ class Registration(_Message, tag="reg", frozen=True):
     consumer_port: Count
     incarnation: str
     num_tokens: Count
-    block_ids: list[list[Count]]  # per KV group, the consumer's destination blocks
+    block_ids: list[list[BlockId]]  # per KV group, the consumer's destination blocks (-1: none)
     revision: str = ""  # the consumer's revision; the producer acts only on its own
     layout_fingerprint: str = ""  # the consumer rank's layout these block ids address
     deadline_unix: float = 0.0  # the consumer's deadline (time.time()); no WRITE may start after it
@@ -87,6 +93,7 @@ class Done(_Message, tag="done", frozen=True):
     producer_engine: str
     producer_rank: Count
     revision: str = ""  # the producer's revision; the consumer counts only notices of its own
+    sample: str = ""  # sentinel.py: digest of the sampled tokens' KV as sent ("" when not sampled)
 
 
 class Failure(_Message, tag="fail", frozen=True):
@@ -212,9 +219,10 @@ class _Layout(msgspec.Struct):
     device_id: int
     planes: list[tuple[int, list[int], list[int]]]  # [offset, token offsets, dim offsets]
     regions: list[tuple[int, int, int]]  # [base, num_blocks, group]
+    windows: list[int]  # per KV group, its sliding window (0: full attention)
 
 
-_LAYOUT_SCALARS = [name for name in _Layout.__struct_fields__ if name not in ("planes", "regions")]
+_LAYOUT_SCALARS = [name for name in _Layout.__struct_fields__ if name not in ("planes", "regions", "windows")]
 
 
 def layout_to_wire(layout: KVLayout) -> dict[str, Any]:
@@ -222,6 +230,7 @@ def layout_to_wire(layout: KVLayout) -> dict[str, Any]:
         **{n: getattr(layout, n) for n in _LAYOUT_SCALARS},
         "planes": [[p.offset, list(p.token_offsets), list(p.dim_offsets)] for p in layout.planes],
         "regions": [[r.base, r.num_blocks, r.group] for r in layout.regions],
+        "windows": list(layout.windows),
     }
 
 
@@ -237,6 +246,7 @@ def layout_from_wire(body: dict[str, Any], fingerprint: str | None = None) -> KV
             **{n: getattr(wire, n) for n in _LAYOUT_SCALARS},
             planes=tuple(PlaneMap(o, tuple(t), tuple(d)) for o, t, d in wire.planes),
             regions=tuple(Region(b, n, g) for b, n, g in wire.regions),
+            windows=tuple(wire.windows),
         )
     except (LayoutError, TypeError, ValueError) as exc:
         raise WireError(f"{_LAYOUT_PREFIX}: {exc}") from None

@@ -17,6 +17,7 @@ from kvferry.connector.config import KvferryConfig
 from kvferry.connector.endpoint import Endpoint, Key
 from kvferry.connector.kvcache import describe_kv_caches, read_elements
 from kvferry.connector.layout import KVLayout
+from kvferry.connector.mapping import HOLE, missing_block
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.scheduler import Finished, KvferryMetadata
 from kvferry.connector.staging import HostStage
@@ -119,7 +120,9 @@ class KvferryWorker:
 
     def _kernel_ids(self, groups: list[list[int]]) -> list[list[int]]:
         r = self._ratio
-        return groups if r == 1 else [[b * r + i for b in g for i in range(r)] for g in groups]
+        if r == 1:
+            return groups
+        return [[b * r + i if b != HOLE else HOLE for b in g for i in range(r)] for g in groups]
 
     def _lacking(self, kernel_ids: list[list[int]], first_token: int) -> list[list[int]]:
         """The blocks from the one holding `first_token` on (the endpoint refuses a first token that
@@ -145,9 +148,17 @@ class KvferryWorker:
             if not self._claim((p.request_id, p.attempt), e.req_id):
                 self._failed_now.append((e.req_id, "duplicate kvferry key"))
                 continue
-            self._req_of[(p.request_id, p.attempt)] = e.req_id
             blocks = self._kernel_ids(e.block_ids)
             lacking = self._lacking(blocks, e.first_token)
+            assert self._cache_layout is not None
+            if why := missing_block(self._cache_layout, lacking, e.num_tokens, first_token=e.first_token):
+                # vLLM's allocation disagrees with what the window keeps: never register a block the
+                # request does not own; recompute instead (kv_load_failure_policy)
+                log.error("kvferry: request %s refused: %s", e.req_id, why)
+                self.metrics.record("failures", 1, "consumer", "null_block")
+                self._failed_now.append((e.req_id, "null_block"))
+                continue
+            self._req_of[(p.request_id, p.attempt)] = e.req_id
             if self.cfg.kv_dump_dir or self._stage:
                 self._expected[(p.request_id, p.attempt)] = (blocks, e.num_tokens, lacking)
             if self.tp_rank == 0 and e.first_token:

@@ -28,6 +28,7 @@ ENDPOINT_ROUNDS = "kvferry_endpoint_rounds"  # wake-ups of the endpoint thread
 ENDPOINT_CPU_SECONDS = "kvferry_endpoint_cpu_seconds"  # CPU time of the endpoint thread
 STEP_HOOK_SECONDS = "kvferry_step_hook_seconds"  # time in the connector's hooks on vLLM's worker thread
 STEPS = "kvferry_steps"  # engine steps those hooks ran in
+SENTINEL_CHECKS = "kvferry_sentinel_checks"  # consumer: sampled KV checks on landing, by result
 
 # Labels the operator reads.
 BACKEND = "backend"  # on any kvferry_* sample: the NIXL backend that moved the bytes
@@ -36,8 +37,12 @@ CHECK = "check"  # on PREFLIGHT_OK
 
 # Label values the operator acts on.
 LAYOUT_MISMATCH = "layout_mismatch"  # TRANSFER_FAILURES reason: P's and D's KV layouts cannot be mapped
+# TRANSFER_FAILURES reason (consumer): the sentinel's sampled KV in decode's blocks is not what prefill sent
+SAMPLE_MISMATCH = "sample_mismatch"
 CHECK_BACKEND = "backend_"  # PREFLIGHT_OK check prefix + NIXL backend name: 1 when its plugin loaded
 CHECK_UCX_ON_EFA = "ucx_on_efa"  # PREFLIGHT_OK check: 0 when UCX was chosen on a host with EFA devices
+CHECK_MEMLOCK = "memlock"  # PREFLIGHT_OK check: 0 when LIBFABRIC cannot lock memory (ulimit -l, no IPC_LOCK)
+CHECK_NCCL_NET = "nccl_net"  # PREFLIGHT_OK check: 0 when a multi-node group's NCCL would fall back to sockets
 
 
 def total(name: str) -> str:

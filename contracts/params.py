@@ -22,6 +22,17 @@ MAX_DEADLINE_S = 3600.0  # the CRD's deadlineSeconds bound: nothing waits longer
 FLAGS: dict[str, str] = {PRODUCER: "do_remote_decode", CONSUMER: "do_remote_prefill"}
 BLOCK = "kvferry"
 _WHERE = f"kv_transfer_params.{BLOCK}"
+# In a prefill's answer (its kv_transfer_params' kvferry block): the last TAIL prompt tokens were left
+# for decode to compute (sliding-window models), so the answer's one token is not the request's first.
+TAIL = "tail"
+
+
+def prompt_tail(answer: Any) -> int:
+    """How many prompt tokens a prefill's answer left to decode (0: it computed the whole prompt)."""
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    block = params.get(BLOCK) if isinstance(params, dict) else None
+    tail = block.get(TAIL) if isinstance(block, dict) else None
+    return tail if type(tail) is int and tail > 0 else 0
 
 
 class ParamsError(ValueError):

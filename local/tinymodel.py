@@ -8,7 +8,7 @@ A `Shape` overrides the attention geometry (heads, KV heads for GQA, head_dim), 
 layer count; `SHAPES` is the matrix tests run the connector against. The dtype goes into the HF
 config (`dtype`, which vLLM's `--dtype auto` reads) and the weights are saved in it.
 
-    kvferry model build [DIR] [--arch llama|qwen|qwen3] [--heads N] [--kv-heads N] [--head-dim N]
+    kvferry model build [DIR] [--arch llama|qwen|qwen3|mistral] [--heads N] [--kv-heads N] [--head-dim N]
                         [--dtype float32|bfloat16|float16] [--layers N]
 """
 
@@ -52,6 +52,8 @@ ARCHS: dict[str, dict[str, Any]] = {
     "qwen": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False},
     # Qwen3: Qwen2 plus per-head RMSNorm on q and k (q_norm/k_norm) and an explicit head_dim.
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False},
+    # Mistral: Llama with a sliding window (Shape.window; HF's own default of 4096 is turned off).
+    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None},
 }
 # Archs whose vLLM model ignores config.head_dim and uses hidden_size // num_attention_heads.
 HEAD_DIM_FROM_HIDDEN = ("qwen",)
@@ -140,6 +142,11 @@ class Shape:
     head_dim: int = 64
     dtype: str = "float32"
     layers: int = 2
+    # Sliding-window attention: `window` tokens (0: none). full_every=0 windows every layer (vLLM's
+    # model-level window); n > 0 makes every n-th layer full attention and the rest windowed, as
+    # Gemma-3 interleaves them (per-layer `layer_types`, two KV-cache groups in vLLM).
+    window: int = 0
+    full_every: int = 0
 
     def __post_init__(self) -> None:
         for name in ("heads", "kv_heads", "head_dim", "layers"):
@@ -157,21 +164,35 @@ class Shape:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"Shape.dtype={self.dtype!r} is not one of {tuple(DTYPES)}")
+        if self.window < 0 or self.full_every < 0 or (self.full_every and not self.window):
+            raise ValueError(
+                f"Shape.window={self.window} and full_every={self.full_every}: both >= 0, and "
+                "full_every only with a window"
+            )
 
     @property
     def tag(self) -> str:
-        """Folder-name form, e.g. h8kv2d32l3-bf16."""
-        return f"h{self.heads}kv{self.kv_heads}d{self.head_dim}l{self.layers}-{DTYPES[self.dtype]}"
+        """Folder-name form, e.g. h8kv2d32l3-bf16 (w64 / w64f2 with a window)."""
+        window = f"w{self.window}" + (f"f{self.full_every}" if self.full_every else "") if self.window else ""
+        return f"h{self.heads}kv{self.kv_heads}d{self.head_dim}l{self.layers}{window}-{DTYPES[self.dtype]}"
 
     def config(self) -> dict[str, Any]:
         """The HF config fields this shape sets."""
-        return {
+        out: dict[str, Any] = {
             "num_attention_heads": self.heads,
             "num_key_value_heads": self.kv_heads,
             "head_dim": self.head_dim,
             "dtype": self.dtype,
             "num_hidden_layers": self.layers,
         }
+        if self.window:
+            out["sliding_window"] = self.window
+        if self.full_every:
+            out["layer_types"] = [
+                "full_attention" if (i + 1) % self.full_every == 0 else "sliding_attention"
+                for i in range(self.layers)
+            ]
+        return out
 
 
 DEFAULT_SHAPE = Shape()
@@ -187,6 +208,13 @@ SHAPES: dict[str, tuple[str, Shape]] = {
         ("llama", Shape(heads=4, kv_heads=1, head_dim=128, dtype="float32", layers=3)),
         ("qwen3", Shape(heads=2, kv_heads=2, head_dim=64, dtype="bfloat16", layers=3)),
         ("llama", Shape(heads=8, kv_heads=2, head_dim=32, dtype="bfloat16", layers=3)),
+        # sliding windows: every layer (Mistral), and interleaved with full layers (Gemma-3's way)
+        ("mistral", Shape(heads=8, kv_heads=2, head_dim=128, dtype="bfloat16", layers=4, window=64)),
+        (
+            "llama",
+            Shape(heads=4, kv_heads=2, head_dim=64, dtype="float32", layers=4, window=64, full_every=2),
+        ),
+        ("mistral", Shape(heads=4, kv_heads=1, head_dim=64, dtype="float32", layers=3, window=48)),
     ]
 }
 
@@ -313,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--head-dim", type=int, default=DEFAULT_SHAPE.head_dim, help=f"one of {CPU_HEAD_SIZES}")
     b.add_argument("--dtype", choices=tuple(DTYPES), default=DEFAULT_SHAPE.dtype, help="config and weights")
     b.add_argument("--layers", type=int, default=DEFAULT_SHAPE.layers, help="hidden layers")
+    b.add_argument("--window", type=int, default=0, help="sliding window in tokens (0: none)")
+    b.add_argument("--full-every", type=int, default=0, help="with --window: every n-th layer full")
     return parser
 
 
@@ -327,6 +357,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, str, 
             head_dim=args.head_dim,
             dtype=args.dtype,
             layers=args.layers,
+            window=args.window,
+            full_every=args.full_every,
         )
         recipe(args.arch, shape)  # arch-specific checks
     except ValueError as exc:

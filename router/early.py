@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.contracts.params import prompt_tail
 from kvferry.router.framing import EventFramer, events, frame
 from kvferry.router.sse import delta_has_output
 
@@ -51,6 +52,9 @@ def first_token(answer: Any, chat: bool, want_ids: bool) -> FirstToken | None:
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         return None
+    if prompt_tail(answer):
+        return None  # prefill left the prompt's last tokens to decode: its token is not the first
+
     choice = choices[0]
     ids = choice.get("token_ids")
     if not (isinstance(ids, list) and len(ids) == 1 and type(ids[0]) is int):

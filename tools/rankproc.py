@@ -165,6 +165,17 @@ def _handle(ep: Any, kv: Any, op: str, args: tuple) -> Any:
         blocks, num_tokens = args
         kv.clear(blocks, num_tokens)
         return None
+    if op == "corrupt_writes":  # fault injection: the KV changes after the sentinel digested it
+        post = ep.transport.write
+
+        def corrupted(
+            agent: str, src_blocks: list[list[int]], dst: Any, num_tokens: int, *a: Any, **kw: Any
+        ) -> Any:
+            kv.clear(src_blocks[0], num_tokens)  # what the WRITE then carries is not what was digested
+            return post(agent, src_blocks, dst, num_tokens, *a, **kw)
+
+        ep.transport.write = corrupted
+        return None
     if op == "dead":  # why the endpoint thread stopped ("" while it serves)
         return ep.dead
     if op == "writes":  # completed WRITEs since the last call (benchmark)
