@@ -40,6 +40,7 @@ REPLAY_TIMEOUT_S = 5.0  # per reply frame; vLLM answers a replay from memory
 MAX_FRAME_BYTES = 4 << 20
 RCVHWM = 16  # frames queued per socket; the live stream backs up into the engine's own send queue
 END_SEQ = -1  # vLLM's end-of-replay marker
+RECONNECT_S = 0.5
 WARN_EVERY_S = 60.0  # a publisher sending garbage is logged once a minute (and counted every time)
 
 
@@ -77,29 +78,54 @@ class KvEventFeed:
         self._ctx.destroy(linger=0)
 
     async def _follow(self, ep: Endpoint) -> None:
-        """The engine's live stream, forever (until cancelled); a broken frame is logged and skipped."""
+        """The engine's live stream, forever (until cancelled); a broken frame is logged and skipped,
+        a dropped connection followed by a new one."""
         state = kvevents.EngineBlocks(self.block_tokens, self.index.max_blocks)
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        sub.setsockopt(zmq.RCVHWM, RCVHWM)
-        sub.connect(ep.kv_events)
+        reason = "connect"
         try:
-            await self._replay(ep, state, "connect")
             while True:
-                frames = await sub.recv_multipart()
-                try:
-                    await self._live(ep, state, frames)
-                except kvevents.EventError as exc:
-                    self._drop(ep, "malformed", exc)
+                await self._subscribed(ep, state, reason)
+                reason = "reconnect"
+                await asyncio.sleep(
+                    RECONNECT_S
+                )  # a peer that drops every connection costs one try per RECONNECT_S
         except asyncio.CancelledError:
             raise
         except Exception:  # never a quietly dead task: say so; the next pool sync starts it again
             log.exception("kv events of %s stopped", ep.engine_id)
             self._tasks.pop(ep.url, None)
             self.metrics.kv_event_engines.labels(ep.role).dec()
+
+    async def _subscribed(self, ep: Endpoint, state: kvevents.EngineBlocks, reason: str) -> None:
+        """One SUB socket's life: replay what was missed, then the live stream until the connection
+        drops. libzmq reconnects after a peer restart but not after a protocol error (a frame past
+        MAXMSGSIZE closes the connection for good), so every drop gets a new socket."""
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        sub.setsockopt(zmq.RCVHWM, RCVHWM)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        sub.connect(ep.kv_events)
+        try:
+            await self._replay(ep, state, reason)
+            while True:
+                ready = dict(await poller.poll())
+                if sub in ready:
+                    frames = await sub.recv_multipart()
+                    try:
+                        await self._live(ep, state, frames)
+                    except kvevents.EventError as exc:
+                        self._drop(ep, "malformed", exc)
+                elif monitor in ready:
+                    await monitor.recv_multipart()
+                    return
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
 
     async def _live(self, ep: Endpoint, state: kvevents.EngineBlocks, frames: list[bytes]) -> None:
@@ -116,9 +142,9 @@ class KvEventFeed:
 
     async def _replay(self, ep: Endpoint, state: kvevents.EngineBlocks, reason: str) -> None:
         """Every buffered batch from state.next_seq on, until vLLM's end marker or a bounded wait."""
-        if not ep.kv_events_replay:
-            return
         self.metrics.kv_event_resyncs.labels(ep.role, reason).inc()
+        if not ep.kv_events_replay:
+            return  # nothing to re-read: what was missed stays missed (the index under-counts)
         req = self._ctx.socket(zmq.DEALER)
         req.setsockopt(zmq.LINGER, 0)
         req.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)

@@ -76,7 +76,8 @@ class RouterMetrics:
         )  # fmt: skip
         self.kv_event_resyncs = Counter(
             "kvferry_router_kv_event_resyncs", "Times an engine's event stream was re-read from its replay "
-            "buffer: connect (first read), gap (batches missed), restart (sequence went back)",
+            "buffer (where it has one): connect (first read), gap (batches missed), restart (sequence "
+            "went back), reconnect (the connection dropped, e.g. after a frame past the size cap)",
             ["role", "reason"], registry=r,
         )  # fmt: skip
         self.kv_event_dropped = Counter(

@@ -143,3 +143,40 @@ def test_a_request_is_served_between_the_slices_of_a_huge_batch(tmp_path: Path) 
     assert served < len(timeline) - 1, "the request was answered only after the whole batch"
     refused = b'kvferry_router_kv_event_dropped_total{reason="refused",role="decode"} 1.0'
     assert refused in answer["metrics"]  # the oversized hash, dropped and counted
+
+
+def test_a_frame_past_the_cap_is_dropped_and_the_feed_follows_on(tmp_path: Path) -> None:
+    """libzmq closes a connection that carries a frame past MAXMSGSIZE and never reconnects it: the
+    feed would go blind to the engine for good. It takes a new connection (resync `reconnect`)."""
+    from kvferry.router.config import Endpoint
+    from kvferry.router.kvfeed import KvEventFeed
+    from kvferry.router.metrics import RouterMetrics
+    from kvferry.router.prefix import PrefixIndex
+
+    url, metrics, index = "http://decode-0:8000", RouterMetrics(), PrefixIndex(1000)
+    ep = Endpoint("decode", url, "decode-0", "10.0.0.2", 5600, kv_events=f"ipc://{tmp_path}/pub")
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        pub.bind(f"ipc://{tmp_path}/pub")
+        feed = KvEventFeed(index, BLOCK, metrics)
+        feed.sync([ep])
+        seq = iter(range(1_000_000))
+        try:
+            before, after = list(range(BLOCK)), list(range(100, 100 + BLOCK))
+            first = prompt_keys(before, BLOCK, 4.0).keys
+            send = lambda hashes, tokens: pub.send_multipart(frame(next(seq), [stored(hashes, None, tokens)]))  # noqa: E731
+            await _until(lambda: index.match(url, first) == 1, "the first batch", lambda: send([1], before))
+            await pub.send_multipart([b"kv", next(seq).to_bytes(8, "big"), b"\0" * (33 << 20)])
+            later = prompt_keys(after, BLOCK, 4.0).keys
+            await _until(lambda: index.match(url, later) == 1, "a batch after it", lambda: send([2], after))
+        finally:
+            await feed.stop()
+            pub.close(linger=0)
+            ctx.destroy(linger=0)
+
+    asyncio.run(scenario())
+    assert (
+        'kvferry_router_kv_event_resyncs_total{reason="reconnect",role="decode"}' in metrics.render().decode()
+    )
