@@ -10,15 +10,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry.connector.config import ConfigError, KvferryConfig
 from kvferry.connector.metrics import Metrics
 from kvferry.contracts import termination
-from kvferry.contracts.metrics import CHECK_BACKEND, CHECK_UCX_ON_EFA
+from kvferry.contracts.metrics import CHECK_BACKEND, CHECK_MEMLOCK, CHECK_NCCL_NET, CHECK_UCX_ON_EFA
 
 SYS_INFINIBAND = Path("/sys/class/infiniband")
+PROC_STATUS = Path("/proc/self/status")
+CAP_IPC_LOCK = 14  # linux/capability.h: lets a process lock (and RDMA-register) memory past RLIMIT_MEMLOCK
 
 
 @dataclass(frozen=True)
@@ -47,17 +50,100 @@ def run_checks(cfg: KvferryConfig, efa_root: Path = SYS_INFINIBAND) -> list[Chec
 
 
 def efa_checks(backends: list[str], efa_root: Path = SYS_INFINIBAND) -> list[Check]:
-    """Does the backend choice fit the host's EFA devices? (LIBFABRIC needs one; UCX wastes them.)"""
+    """Does the backend choice fit the host's EFA devices? (LIBFABRIC needs one; UCX wastes them.)
+
+    With LIBFABRIC the host checks follow (memory locking; NCCL's net plugin in a multi-node group),
+    so every caller of this function (the CLI, the connector's start-up) reports them too.
+    """
     efa = efa_devices(efa_root)
     if "LIBFABRIC" in backends:
         detail = f"EFA devices {efa}" if efa else "no EFA device: LIBFABRIC would use a TCP/shm provider"
-        return [Check("efa_device", bool(efa), detail)]
+        return [Check("efa_device", bool(efa), detail), memlock_check(), *nccl_net_checks(efa)]
     if efa:
         why = (
             f"EFA devices {efa} present but backends={backends}: UCX falls back to TCP on EFA; use LIBFABRIC"
         )
         return [Check(CHECK_UCX_ON_EFA, False, why)]
     return []
+
+
+def memlock_check(limits: tuple[int, int] | None = None, status: Path = PROC_STATUS) -> Check:
+    """Can libfabric's EFA provider lock the memory it registers? `ulimit -l` and CapEff decide.
+
+    The EFA installer sets memlock to unlimited (its limits.d file), which never reaches a container:
+    there the limit is the runtime's (containerd LimitMEMLOCK), and CAP_IPC_LOCK in the effective set
+    (IPC_LOCK added *and* UID 0: nvidia-container-toolkit issue 2037) is what lifts it.
+    """
+    soft, _hard = limits if limits is not None else resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    cap_eff = _cap_eff(status)
+    has_cap = cap_eff is not None and bool(cap_eff >> CAP_IPC_LOCK & 1)
+    shown = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft // 1024} KiB"
+    caps = "unknown" if cap_eff is None else f"{cap_eff:#x}"
+    detail = f"ulimit -l {shown}, CapEff {caps} (IPC_LOCK {'effective' if has_cap else 'not effective'})"
+    if soft == resource.RLIM_INFINITY or has_cap:
+        return Check(CHECK_MEMLOCK, True, detail)
+    return Check(
+        CHECK_MEMLOCK,
+        False,
+        f"{detail}: EFA memory registration fails past this limit; run the engine as UID 0 with "
+        "IPC_LOCK (the EFA presets do) or set LimitMEMLOCK=infinity for containerd on the node "
+        "(docs/eks.md, memory locking)",
+    )
+
+
+def _cap_eff(status: Path) -> int | None:
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def nccl_net_checks(efa: list[str], env: dict[str, str] | None = None) -> list[Check]:
+    """Which NCCL net plugin would load in a multi-node group (LWS sets LWS_GROUP_SIZE)?
+
+    Within one node NCCL uses NVLink and needs no net plugin, so single-node pods get no check. NCCL
+    loads `libnccl-net-$NCCL_NET_PLUGIN.so` (or the path it names; unset: `libnccl-net.so`) from the
+    library path; without it, or without an EFA device for aws-ofi-nccl's efa provider, it falls
+    back to NET/Socket over the ENA interface.
+    """
+    env = dict(os.environ) if env is None else env
+    try:
+        nodes = int(env.get("LWS_GROUP_SIZE", "1"))
+    except ValueError:
+        nodes = 1
+    if nodes <= 1:
+        return []
+    name = env.get("NCCL_NET_PLUGIN", "")
+    if name == "none":
+        return [Check(CHECK_NCCL_NET, False, "NCCL_NET_PLUGIN=none: NET/Socket between the group's nodes")]
+    library = name if "/" in name else f"libnccl-net-{name}.so" if name else "libnccl-net.so"
+    found = _find_library(library, env.get("LD_LIBRARY_PATH", ""))
+    if found is None:
+        return [
+            Check(
+                CHECK_NCCL_NET,
+                False,
+                f"{library} not on LD_LIBRARY_PATH: NCCL would use NET/Socket between the {nodes} nodes "
+                "(the engine image must carry aws-ofi-nccl, images/vllm/Dockerfile)",
+            )
+        ]
+    if not efa:
+        why = f"{found} present but no EFA device: NET/OFI has no efa provider"
+        return [Check(CHECK_NCCL_NET, False, why)]
+    return [Check(CHECK_NCCL_NET, True, f"NET/OFI from {found}, provider efa over {len(efa)} EFA devices")]
+
+
+def _find_library(library: str, search: str) -> str | None:
+    if "/" in library:
+        return library if Path(library).is_file() else None
+    for folder in filter(None, search.split(":")):
+        candidate = Path(folder) / library
+        if candidate.is_file():
+            return str(candidate)
+    return None
 
 
 def backend_checks(created: list[str], wanted: list[str]) -> list[Check]:

@@ -41,12 +41,14 @@ class Reason(str, Enum):
     NO_TRAFFIC = "NoTransfersYet"
     TRANSFER_FAILURES = "TransferFailures"
     LAYOUT_MISMATCH = "KVLayoutMismatch"  # transfers refused: P's and D's KV layouts cannot be mapped
+    SAMPLE_MISMATCH = "KVSampleMismatch"  # the sentinel found decode's KV is not what prefill sent
     WRONG_BACKEND = "UCXOnEFA"
     DECODE_RECOMPUTES = "DecodeRecomputes"
     METRICS_UNAVAILABLE = "MetricsUnavailable"
-    # TransferHealthy from engine pods' termination messages (podchecks.py)
+    # TransferHealthy from the pods' own status: termination messages, image pulls (podchecks.py)
     PREFLIGHT_FAILED = "PreflightFailed"
     INJECT_FAILED = "ConnectorInjectFailed"
+    IMAGE_PULL_FAILED = "ImagePullFailed"  # a pod's image cannot be pulled (ErrImagePull, ImagePullBackOff)
     # GangAdmitted reasons (admission.py, at reconcile and each metrics interval)
     KUEUE_ADMITTED = "KueueAdmitted"
     KUEUE_PENDING = "KueuePending"

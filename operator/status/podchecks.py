@@ -1,4 +1,8 @@
-"""Pod checks step: engine pods that stopped at start-up with a kvferry termination message (pure).
+"""Pod checks step: pods that cannot start, from their own status (pure).
+
+Two findings: an image the kubelet cannot pull (ErrImagePull / ImagePullBackOff on any of the CR's pods,
+router included), named with the image so the fix is obvious; and engine pods that stopped at
+start-up with a kvferry termination message.
 
 With `kvTransfer.connectorSource: inject` an engine pod runs two kvferry steps before vLLM: the init
 container `kvferry inject` and the start-up `kvferry preflight --startup`. Each writes one line to its
@@ -21,6 +25,32 @@ MARKERS = (
     (termination.INJECT_FAILED, Reason.INJECT_FAILED),
 )
 MAX_MESSAGE = 600  # condition messages stay readable in `kubectl describe`
+# Waiting reasons of a container whose image the kubelet cannot get (kubelet images/types.go).
+PULL_FAILURES = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
+
+
+def pull_failure(pods: list[dict[str, Any]]) -> tuple[Reason, str] | None:
+    """The images the CR's pods wait for and cannot pull, each with the pods that wait for it."""
+    found: dict[str, list[str]] = {}
+    why: dict[str, str] = {}
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        meta, st = pod["metadata"], pod.get("status") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") not in PULL_FAILURES:
+                continue
+            image = cs.get("image") or "?"
+            found.setdefault(image, []).append(f"{meta['name']}/{cs.get('name', '?')}")
+            why.setdefault(image, f"{waiting['reason']}: {(waiting.get('message') or '').strip()}")
+    if not found:
+        return None
+    parts = []
+    for image, where in found.items():
+        shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+        parts.append(f"image {image} cannot be pulled by {shown} ({why[image][:MAX_MESSAGE]})")
+    return Reason.IMAGE_PULL_FAILED, "; ".join(parts)
 
 
 def _terminations(pod: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -38,7 +68,10 @@ def _terminations(pod: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def start_failure(pods: list[dict[str, Any]]) -> tuple[Reason, str] | None:
-    """The first kvferry start-up refusal among the engine pods, with the pods that share it."""
+    """An image pull failure first (nothing else can start), else the first kvferry start-up refusal
+    among the engine pods, with the pods that share it."""
+    if (pull := pull_failure(pods)) is not None:
+        return pull
     found: dict[tuple[Reason, str], list[str]] = {}
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
         meta = pod["metadata"]

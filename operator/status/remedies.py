@@ -7,6 +7,7 @@ checks every Reason has an entry in both places).
 
 from __future__ import annotations
 
+from kvferry.contracts.metrics import CHECK_MEMLOCK, CHECK_NCCL_NET
 from kvferry.operator.status.conditions import Reason
 
 FIXES: dict[Reason, str] = {
@@ -40,6 +41,11 @@ FIXES: dict[Reason, str] = {
         "kvCacheDtype or model differ): the engine log line 'kvferry: layout mismatch' names both; run "
         "both roles with the same model, dtype and KV cache dtype"
     ),
+    Reason.SAMPLE_MISMATCH: (
+        'decode\'s KV did not hold what prefill sent (kvferry_sentinel_checks_total{result="mismatch"}); '
+        "those requests were recomputed, not served wrong: compare the two roles' images, model flags and "
+        "kvCacheDtype, and report the engine logs' 'is not what it sent' lines"
+    ),
     Reason.WRONG_BACKEND: (
         "set spec.kvTransfer.backends to [LIBFABRIC] (or leave it empty for the EFA preset's) and remove "
         "any backends override from the image or extraArgs"
@@ -55,6 +61,11 @@ FIXES: dict[Reason, str] = {
     Reason.PREFLIGHT_FAILED: (
         "use a vLLM image whose vLLM and NIXL the connector supports (spec.image; vLLM >= 0.32, "
         "NIXL >= 1.5, the backend plugin present), or kvTransfer.connectorSource image with kvferry's image"
+    ),
+    Reason.IMAGE_PULL_FAILED: (
+        "the image the message names does not exist or needs credentials: build and push the images "
+        "(docs/install.md, `docker buildx bake`) and install with image.registry set to that registry, or "
+        "set spec.image; for a private registry add spec.<role>.imagePullSecrets"
     ),
     Reason.INJECT_FAILED: (
         "the init container could not copy the connector: check the operator image (spec.router.image) "
@@ -75,6 +86,21 @@ FIXES: dict[Reason, str] = {
         "then watch both roles' readiness (kubectl get disaggregatedinference)"
     ),
 }
+# PreflightFailed names the failed checks; these have a fix of their own, added when named.
+CHECK_FIXES = {
+    CHECK_MEMLOCK: (
+        "memlock: run the engine as UID 0 with IPC_LOCK (the EFA presets do; a spec.<role> runAsUser or "
+        "an image USER that is not 0 undoes it) or give containerd LimitMEMLOCK=infinity on the nodes "
+        "(docs/eks.md, memory locking)"
+    ),
+    CHECK_NCCL_NET: (
+        "nccl_net: use an engine image with aws-ofi-nccl on LD_LIBRARY_PATH and NCCL_NET_PLUGIN=ofi "
+        "(images/vllm/Dockerfile), on nodes with EFA devices (docs/eks.md)"
+    ),
+    "efa_device": (
+        "efa_device: install the EFA device plugin with tolerations for the GPU taint (docs/eks.md)"
+    ),
+}
 HEALTHY = {Reason.ALL_READY, Reason.RECONCILED, Reason.TRANSFERS_OK, Reason.KUEUE_ADMITTED}
 
 
@@ -82,7 +108,10 @@ def explain(reason: Reason, message: str) -> str:
     """`message` plus what to do about it (unchanged for healthy reasons)."""
     if reason in HEALTHY or reason not in FIXES:
         return message
-    return f"{message}. Fix: {FIXES[reason]}"
+    fixes = [FIXES[reason]]
+    if reason is Reason.PREFLIGHT_FAILED:
+        fixes += [fix for check, fix in CHECK_FIXES.items() if f" {check}" in message]
+    return f"{message}. Fix: {'; '.join(fixes)}"
 
 
 # Conditions each non-TransferHealthy reason can appear on (status.conditions).
