@@ -29,8 +29,13 @@ class RatioBounds:
     """Bounds on prefill pods per decode pod (prefill replicas / decode replicas), applied after the
     per-role targets; unset bounds are not enforced."""
 
-    min: float | None = f("Smallest prefill:decode ratio, e.g. 0.25 (one P per four D).", None, minimum=0.01)
-    max: float | None = f("Largest prefill:decode ratio, e.g. 2 (two P per D).", None, minimum=0.01)
+    # Bounded both ways: the planner multiplies and divides replicas by them (math.ceil of an inf fails).
+    min: float | None = f(
+        "Smallest prefill:decode ratio, e.g. 0.25 (one P per four D).", None, minimum=0.01, maximum=1000
+    )
+    max: float | None = f(
+        "Largest prefill:decode ratio, e.g. 2 (two P per D).", None, minimum=0.01, maximum=1000
+    )
 
 
 @dataclass

@@ -73,7 +73,7 @@ class Engine:
         enum=[8, 16, 32, 64, 128, 256],
     )
     max_model_len: int | None = f(
-        "Maximum context length; unset lets vLLM derive it from the model.", None, minimum=1
+        "Maximum context length; unset lets vLLM derive it from the model.", None, minimum=1, maximum=2**27
     )
     dtype: str = f("Model weight dtype.", "auto", enum=["auto", "bfloat16", "float16", "float32"])
     enable_prefix_caching: bool = f(

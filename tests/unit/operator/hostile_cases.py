@@ -59,6 +59,17 @@ HOSTILE_INVALID: list[tuple[str, dict[str, Any], str]] = [
         make_inference("he4", modelToken={"name": "hf", "env": "POD_IP"}).obj(),
         "spec.modelToken.env",
     ),
+    # numbers the operator computes with or passes on: bounded both ways
+    (
+        "ratio-max-huge",
+        make_inference("hn1")
+        .prefill(replicasOwner="autoscaler")
+        .decode(replicasOwner="autoscaler")
+        .set(autoscaling={"ttftSeconds": 1.0, "itlSeconds": 0.05, "ratio": {"max": 1e308}})
+        .obj(),
+        "spec.autoscaling.ratio.max",
+    ),
+    ("max-model-len-huge", make_inference("hn2").vllm(maxModelLen=2**40).obj(), "spec.vllm.maxModelLen"),
     ("image-with-spaces", make_inference("hi1", image="not an image").obj(), "spec.image"),
     ("image-short-digest", make_inference("hi2", image="vllm/vllm-openai@sha256:abc").obj(), "spec.image"),
     (
