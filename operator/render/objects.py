@@ -15,9 +15,9 @@ import jinja2
 import yaml
 from kvferry.contracts import pods, versions
 from kvferry.operator import names
-from kvferry.operator.render import groups, images, injection, placement, presets, routing, security
+from kvferry.operator.render import dra, groups, images, injection, placement, presets, routing, security
 from kvferry.operator.render.presets import PodPlan, merge
-from kvferry.operator.spec import GROUP, KIND, VERSION, Role, Spec, parse_spec
+from kvferry.operator.spec import GROUP, KIND, VERSION, Role, Spec, SpecError, parse_spec
 
 DEFAULT_ROUTER_IMAGE = images.operator_image()  # the operator image also holds the router
 PRESTOP_SECONDS = 10
@@ -219,7 +219,24 @@ def role_context(
         ),
         "kv_transfer_json": kv_json,
         "inject": None,  # set by render() for connectorSource inject (injection.py)
+        "resource_claim": None,  # set by with_device_claim() for efaAttach dra
     }
+
+
+def with_device_claim(
+    spec: Spec, role: str, ctx: dict[str, Any], plan: PodPlan, namespace: str
+) -> dict[str, Any] | None:
+    """efaAttach dra: the role's ResourceClaimTemplate (render/dra.py); its pods claim GPUs and EFA from it
+    instead of requesting the extended resources. None for devicePlugin."""
+    if getattr(spec, role).efa_attach != "dra":
+        return None
+    try:
+        rct = dra.template(ctx["name"], namespace, ctx["labels"], plan.devices, plan.efa)
+    except dra.DraError as exc:
+        raise SpecError([f"spec.{role}.efaAttach: {exc}"]) from None
+    ctx["resource_claim"] = {"name": dra.CLAIM_NAME, "resourceClaimTemplateName": rct["metadata"]["name"]}
+    ctx["resources"] = {**dra.without_replaced(plan.resources), "claims": [{"name": dra.CLAIM_NAME}]}
+    return rct
 
 
 def router_mode(spec: Spec) -> str:
@@ -327,13 +344,17 @@ def render(
     router_image = router_image or images.operator_image(registry)
     injector_image = spec.router.image or router_image  # injection.context's init container image
     revision = revision_of(spec, plans, injector_image)
-    roles = []
+    roles: list[dict[str, Any]] = []
+    claims: list[dict[str, Any]] = []  # ResourceClaimTemplates, created before the pods that claim from them
     for role in names.ROLES:
         rspec = getattr(spec, role)
         current = observed.get(role)
         replicas = current if rspec.replicas_owner == "autoscaler" and current is not None else rspec.replicas
         ctx = role_context(spec, cr_name, role, plans[role], revision, replicas)
         ctx["inject"] = injection.context(spec, plans[role], injector_image)
+        claim_template = with_device_claim(spec, role, ctx, plans[role], namespace)
+        if claim_template:
+            claims.append(claim_template)
         roles.append(ctx)
     pods = sum((r["replicas"] or 0) * r["nodes"] for r in roles)  # spec.placement.gang: one group
     gang_labels, gang_annotations = placement.gang_metadata(spec, cr_name, pods)
@@ -352,7 +373,7 @@ def render(
             spec, cr_name, spec.kv_transfer.side_channel_port, operator_namespace
         ),
     }
-    objects: list[dict[str, Any]] = []
+    objects: list[dict[str, Any]] = list(claims)
     for template in TEMPLATES:
         for role_ctx in roles if template in ROLE_TEMPLATES else [None]:
             text = _env.get_template(template).render(context, r=role_ctx)

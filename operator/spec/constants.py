@@ -9,6 +9,9 @@ SHORT_NAMES = ["dinf"]
 
 ACCELERATORS = ("p5en", "p5", "trn2", "trn1", "cpu", "none")
 EFA_ACCELERATORS = ("p5en", "p5", "trn2", "trn1")
+# Presets whose roles may take GPUs and EFA through DRA claims (spec.<role>.efaAttach dra, render/dra.py):
+# NVIDIA GPUs aligned with EFA by PCIe root. Neuron-EFA alignment is not rendered.
+DRA_ACCELERATORS = ("p5en", "p5")
 # Largest tensor-parallel group one pod can hold (one node): GPUs, or NeuronCores at the default LNC.
 MAX_TP = {"p5en": 8, "p5": 8, "trn2": 64, "trn1": 32, "cpu": 64, "none": 64}
 # Presets whose roles may span nodes: one pod per node, leader + workers per replica (LeaderWorkerSet),

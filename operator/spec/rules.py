@@ -10,6 +10,7 @@ from kvferry.operator.flags import OWNED_FLAGS, SHORT_ALIASES, cel_no_owned_flag
 from kvferry.operator.spec.autoscaling import Autoscaling
 from kvferry.operator.spec.constants import (
     ACCELERATOR_FAMILIES,
+    DRA_ACCELERATORS,
     EFA_ACCELERATORS,
     KNOWN_KV_HEADS,
     MAX_GROUP_NODES,
@@ -85,12 +86,25 @@ def _role_preset_rule(role: str) -> Rule:
     )
 
 
+def _efa_attach_rule(role: str) -> Rule:
+    preset = f"(has(self.{role}.accelerator) ? self.{role}.accelerator : self.accelerator)"
+    return Rule(
+        f".{role}.efaAttach",
+        f"self.{role}.efaAttach != 'dra' || {preset} in {_cel_list(DRA_ACCELERATORS)}",
+        f"{role}.efaAttach dra is rendered for the GPU presets ({', '.join(DRA_ACCELERATORS)}) only: "
+        "the claim pairs NVIDIA GPUs with EFA devices on their PCIe roots; Neuron presets and cpu/none "
+        "use devicePlugin",
+        lambda s: getattr(s, role).efa_attach != "dra" or s.role_accelerator(role) in DRA_ACCELERATORS,
+    )
+
+
 _P_PRESET = "(has(self.prefill.accelerator) ? self.prefill.accelerator : self.accelerator)"
 _D_PRESET = "(has(self.decode.accelerator) ? self.decode.accelerator : self.accelerator)"
 
 RULES: list[Rule] = [
     _role_preset_rule("prefill"),
     _role_preset_rule("decode"),
+    *(_efa_attach_rule(role) for role in ("prefill", "decode")),
     Rule(
         ".kvTransfer.connector",
         f"{_P_PRESET} == {_D_PRESET} || self.kvTransfer.connector == 'kvferry'",

@@ -130,6 +130,17 @@ class Role:
     efa: int | None = f(
         "EFA devices per pod; unset derives it from the preset and TP size.", None, minimum=0, maximum=32
     )
+    efa_attach: str = f(
+        "How this role's pods get their GPUs and EFA devices. devicePlugin: the extended resources "
+        "nvidia.com/gpu and vpc.amazonaws.com/efa (NVIDIA and EFA device plugins). dra: one "
+        "ResourceClaim per pod (Dynamic Resource Allocation, Kubernetes >= 1.34) from the NVIDIA GPU DRA "
+        "driver's class gpu.nvidia.com and the EFA DRA driver's class efa.networking.k8s.aws, each GPU's "
+        "EFA devices on its PCIe root (resource.kubernetes.io/pcieRoot); GPU presets (p5en, p5) only. "
+        "Which one a cluster's nodes use cannot be known offline: `kvferry doctor` tells "
+        "(docs/eks-dra.md).",
+        "devicePlugin",
+        enum=["devicePlugin", "dra"],
+    )
     startup_seconds: int | None = f(
         "Startup-probe budget for model load; unset uses the preset's.", None, minimum=30, maximum=21600
     )
