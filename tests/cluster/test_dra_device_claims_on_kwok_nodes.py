@@ -49,8 +49,12 @@ DEVICE_CLASSES = [
         "metadata": {"name": dra.GPU_CLASS},
         "spec": {
             "selectors": [
-                {"cel": {"expression": f"device.driver == '{GPU_DRIVER}' && "
-                                       f"device.attributes['{GPU_DRIVER}'].type == 'gpu'"}}
+                {
+                    "cel": {
+                        "expression": f"device.driver == '{GPU_DRIVER}' && "
+                        f"device.attributes['{GPU_DRIVER}'].type == 'gpu'"
+                    }
+                }
             ]
         },
     },
@@ -112,7 +116,9 @@ def dra_node(control_plane: ControlPlane, namespace: str) -> Iterator[Callable[[
         control_plane.kubectl("patch", "node", name, "--subresource=status", "--type=merge", "-p", patch)
         control_plane.wait_nodes_ready([name])
         items = slices(name, efa_roots)
-        control_plane.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
+        control_plane.kubectl(
+            "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items})
+        )
         made.append(name)
         return name
 
@@ -125,7 +131,9 @@ def dra_node(control_plane: ControlPlane, namespace: str) -> Iterator[Callable[[
         ):
             control_plane.kubectl("-n", namespace, *args, check=False)
         for name in made:
-            control_plane.kubectl("delete", "resourceslices", f"--field-selector=spec.nodeName={name}", check=False)
+            control_plane.kubectl(
+                "delete", "resourceslices", f"--field-selector=spec.nodeName={name}", check=False
+            )
         if made:
             control_plane.kubectl("delete", "node", *made, "--wait=false", check=False)
 
@@ -178,7 +186,10 @@ def test_tp2_pods_get_two_gpus_and_four_efa_on_the_gpus_pcie_roots(control_plane
     node = dra_node(ALIGNED)
     _create_prefill(control_plane, namespace, replicas=4)  # 4 x (2 GPUs + 4 EFA) = the whole node
     allocs = wait_until(
-        lambda: _allocations(control_plane, namespace), "4 claims allocated", WAIT_S, until=lambda a: len(a) == 4
+        lambda: _allocations(control_plane, namespace),
+        "4 claims allocated",
+        WAIT_S,
+        until=lambda a: len(a) == 4,
     )
     pods = wait_until(
         lambda: _get(control_plane, namespace, "pods"),

@@ -1,4 +1,4 @@
-"""spec.<role>.efaAttach dra: the claim each pod gets (render/dra.py) and the rule that limits it to GPU presets.
+"""spec.<role>.efaAttach dra: the claim each pod gets (render/dra.py); the rule keeping it to GPU presets.
 
 Facts (docs/eks-dra.md): the EFA DRA driver's class efa.networking.k8s.aws and the NVIDIA driver's
 gpu.nvidia.com both publish resource.kubernetes.io/pcieRoot; resource.k8s.io/v1 allocates at most 32
@@ -27,10 +27,14 @@ def _pod(objects: dict[tuple[str, str], dict[str, Any]], name: str) -> dict[str,
 
 
 def test_tp2_on_p5en_claims_each_gpu_with_two_efa_on_its_pcie_root() -> None:
-    objects = _objects(make_inference("x", accelerator="p5en").prefill(tensorParallelSize=2, efaAttach="dra").obj())
+    objects = _objects(
+        make_inference("x", accelerator="p5en").prefill(tensorParallelSize=2, efaAttach="dra").obj()
+    )
     (rct,) = [o for (kind, _), o in objects.items() if kind == "ResourceClaimTemplate"]
     devices = rct["spec"]["spec"]["devices"]
-    counts = {r["name"]: (r["exactly"]["deviceClassName"], r["exactly"]["count"]) for r in devices["requests"]}
+    counts = {
+        r["name"]: (r["exactly"]["deviceClassName"], r["exactly"]["count"]) for r in devices["requests"]
+    }
     assert counts == {
         "gpu-0": (dra.GPU_CLASS, 1),
         "efa-0": (dra.EFA_CLASS, 2),
@@ -42,7 +46,9 @@ def test_tp2_on_p5en_claims_each_gpu_with_two_efa_on_its_pcie_root() -> None:
         {"requests": ["gpu-1", "efa-1"], "matchAttribute": "resource.kubernetes.io/pcieRoot"},
     ]
     pod = _pod(objects, "x-prefill")
-    assert pod["resourceClaims"] == [{"name": "devices", "resourceClaimTemplateName": rct["metadata"]["name"]}]
+    assert pod["resourceClaims"] == [
+        {"name": "devices", "resourceClaimTemplateName": rct["metadata"]["name"]}
+    ]
     resources = pod["containers"][0]["resources"]
     assert resources["claims"] == [{"name": "devices"}]
     for kind in ("requests", "limits"):  # the claim replaces the device plugins' counts, nothing else
