@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 MAX_LINES = 4096  # kept lines per text: ~10x a busy engine's relevant ones
 MAX_LINE = 1024  # characters; a label set longer than this is not one the operator reads
-MAX_REASONS = 16  # distinct failure reasons kept per text; the rest count as "other"
+MAX_REASONS = 32  # distinct failure reasons kept per text; the rest count as "other"
 OTHER = "other"
 _REASON = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*[{ \t]")  # a sample line starts with its name, then { or blank
@@ -56,9 +56,12 @@ def relevant(text: str, names: Iterable[str]) -> str:
     return "\n".join(kept) + "\n"
 
 
-def reason(value: str, seen: dict[str, float]) -> str:
+def reason(value: str, seen: dict[str, float], keep: frozenset[str] = frozenset()) -> str:
     """A failure reason as the operator may repeat it: the connector's snake_case vocabulary, or
-    OTHER for anything else and for reasons beyond the first MAX_REASONS of one text."""
+    OTHER for anything else and for reasons beyond the first MAX_REASONS of one text (those in
+    `keep`, the ones the operator acts on, are never lumped)."""
+    if value in keep:
+        return value
     if not _REASON.match(value):
         return OTHER
     if value not in seen and len(seen) >= MAX_REASONS:

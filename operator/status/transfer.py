@@ -48,6 +48,8 @@ class Sample:
     failed_checks: set[str] = field(default_factory=set)  # other start-up checks at 0 (e.g. efa_device)
 
 
+# Failure reasons a verdict depends on: kept whatever else a text reports (metricstext.reason).
+ACTED_ON = frozenset({m.LAYOUT_MISMATCH})
 # The families parse() reads (metricstext.relevant keeps only these before parsing).
 READ = ("kvferry_", "vllm:nixl_", TOKENS_BY_SOURCE, "vllm:prefix_cache_")
 
@@ -70,7 +72,8 @@ def parse(text: str) -> Sample:
                 out.transfers += s.value
             elif s.name in FAILURES:
                 out.failures += s.value
-                reason = metricstext.reason(s.labels.get(m.REASON, "unknown"), out.failures_by_reason)
+                label = s.labels.get(m.REASON, "unknown")
+                reason = metricstext.reason(label, out.failures_by_reason, ACTED_ON)
                 out.failures_by_reason[reason] = out.failures_by_reason.get(reason, 0) + s.value
             elif s.name in {h + "_bucket" for h in HISTOGRAMS}:
                 le = float(s.labels["le"])
