@@ -40,13 +40,16 @@ def operator_peer(namespace: str) -> dict[str, Any]:
 
 
 def engine_pod_security(plan: PodPlan) -> dict[str, Any]:
-    """Pod-level context: RuntimeDefault seccomp always; a non-root UID where the preset allows one.
+    """Pod-level context: RuntimeDefault seccomp always; the preset's UID where it names one.
 
-    EFA presets keep the image's user: IPC_LOCK lifts RLIMIT_MEMLOCK only for UID 0, and NIXL's
-    LIBFABRIC memory registration needs it (shared/reference/efa-k8s.md §1.4).
+    EFA presets run as UID 0 whatever the image's USER: libfabric's EFA provider locks the memory it
+    registers, the container's RLIMIT_MEMLOCK is the runtime's (8 MiB measured), and an added IPC_LOCK
+    is effective only for UID 0 (nvidia-container-toolkit issue 2037; docs/eks.md, memory locking).
     """
     ctx: dict[str, Any] = {"seccompProfile": RUNTIME_DEFAULT}
-    if plan.run_as_user is not None:
+    if plan.run_as_user == 0:
+        ctx |= {"runAsNonRoot": False, "runAsUser": 0, "runAsGroup": 0}
+    elif plan.run_as_user is not None:
         ctx |= {"runAsNonRoot": True, "runAsUser": plan.run_as_user, "runAsGroup": plan.run_as_user}
     return ctx
 

@@ -89,9 +89,8 @@ FIXES: dict[Reason, str] = {
 # PreflightFailed names the failed checks; these have a fix of their own, added when named.
 CHECK_FIXES = {
     CHECK_MEMLOCK: (
-        "memlock: run the engine as UID 0 with IPC_LOCK (the EFA presets do; a spec.<role> runAsUser or "
-        "an image USER that is not 0 undoes it) or give containerd LimitMEMLOCK=infinity on the nodes "
-        "(docs/eks.md, memory locking)"
+        "memlock: run the engine as UID 0 with IPC_LOCK (the EFA presets do; the none preset keeps the "
+        "image's user) or give containerd LimitMEMLOCK=infinity on the nodes (docs/eks.md, memory locking)"
     ),
     CHECK_NCCL_NET: (
         "nccl_net: use an engine image with aws-ofi-nccl on LD_LIBRARY_PATH and NCCL_NET_PLUGIN=ofi "
