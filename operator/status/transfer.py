@@ -150,6 +150,11 @@ def layout_refusals(producer: Sample, consumer: Sample) -> float:
     return sum(s.failures_by_reason.get(m.LAYOUT_MISMATCH, 0) for s in (producer, consumer))
 
 
+def sample_mismatches(consumer: Sample) -> float:
+    """Receives the sentinel failed: decode's sampled KV was not what prefill digested."""
+    return consumer.failures_by_reason.get(m.SAMPLE_MISMATCH, 0)
+
+
 def health(
     producer: Sample, consumer: Sample, previous: dict[str, Any], efa: bool, scraped: int
 ) -> tuple[str, Reason, str]:
@@ -178,6 +183,14 @@ def health(
             "False",
             Reason.PREFLIGHT_FAILED,
             f"start-up checks failed ({what}): see kvferry_preflight_ok and the engine pods' logs",
+        )
+    wrong_kv = _increase(sample_mismatches(consumer), previous.get("sampleMismatches", 0))
+    if wrong_kv > 0:  # first of the transfer verdicts: KV arrived wrong, whatever else is going on
+        return (
+            "False",
+            Reason.SAMPLE_MISMATCH,
+            f"{wrong_kv:.0f} receives since the last check held KV other than what prefill sent "
+            "(sentinel); they were recomputed",
         )
     refused = _increase(layout_refusals(producer, consumer), previous.get("layoutMismatches", 0))
     if refused > 0:  # before TransferFailures: a refusal is a configuration fault, not load
@@ -253,6 +266,7 @@ def summarize(
         "p99Seconds": p99,
         "localTokens": int(consumer.local_tokens),
         "layoutMismatches": int(layout_refusals(producer, consumer)),
+        "sampleMismatches": int(sample_mismatches(consumer)),
         "externalTokens": int(consumer.external_tokens),
         "prefixHitRate": hit_rate(prefix_hits, prefix_queries),
         "prefixHitTokens": int(prefix_hits),

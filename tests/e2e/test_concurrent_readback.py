@@ -21,6 +21,7 @@ One case keeps decode's prefix cache on, so decode holds most of each prompt and
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 
 import httpx
@@ -45,6 +46,18 @@ CASES = {  # id: (shape, prefill block, decode block, decode prefix cache)
     "llama-w64f2-f32-P32-D64-prefix": ("llama-h4kv2d64l4w64f2-f32", 32, 64, True),
     "qwen3-full-f32-P32-D128": ("qwen3-h8kv2d32l3-f32", 32, 128, False),
 }
+# KVFERRY_MATRIX=full: every block pair the report named, for both windowed models (~3 min a case)
+PAIRS = ((64, 64), (64, 128), (128, 64), (32, 64), (128, 128), (128, 32))
+FULL = {
+    f"{tag}-P{p}-D{d}": (shape, p, d, False)
+    for tag, shape in (
+        ("mistral-w64-bf16", "mistral-h8kv2d128l4w64-bf16"),
+        ("llama-w64f2-f32", "llama-h4kv2d64l4w64f2-f32"),
+    )
+    for p, d in PAIRS
+} | {"mistral-w48-f32-P32-D64-prefix": ("mistral-h4kv1d64l3w48-f32", 32, 64, True)}
+if os.environ.get("KVFERRY_MATRIX") == "full":
+    CASES |= {k: v for k, v in FULL.items() if k not in CASES}
 
 
 @pytest.fixture(scope="module", params=list(CASES.values()), ids=list(CASES))

@@ -70,6 +70,16 @@ def test_layout_refusals_are_named_before_other_failures() -> None:
     assert again[1] != Reason.LAYOUT_MISMATCH
 
 
+def test_a_sentinel_mismatch_on_decode_is_named_first() -> None:
+    """KV that arrived wrong outranks every other verdict, and clears once no new mismatch comes."""
+    wrong = metrics(0).replace(f'{m.REASON}="timeout"}} 0', f'{m.REASON}="{m.SAMPLE_MISMATCH}"}} 2')
+    summary, verdict = _run([metrics(10, refused=3)], [wrong])
+    assert verdict[:2] == ("False", Reason.SAMPLE_MISMATCH) and "2 receives" in verdict[2]
+    assert summary["sampleMismatches"] == 2
+    _, again = _run([metrics(20)], [wrong], previous=summary)
+    assert again[1] != Reason.SAMPLE_MISMATCH
+
+
 def test_ucx_on_efa_and_decode_recompute_are_named() -> None:
     assert _run([metrics(10, backend="UCX")], [])[1][1] == Reason.WRONG_BACKEND
     assert _run([metrics(10, backend="UCX")], [], efa=False)[1][1] == Reason.TRANSFERS_OK
