@@ -12,4 +12,4 @@ PARAMS_VERSION = 1
 # The connector's peer wire protocol (history in connector/wire.py). The operator hashes it into the
 # revision, so P and D of different protocols are never paired; the connector's wire.py must equal it
 # (tests/unit/operator/test_revision_covers_the_data_path.py).
-WIRE_PROTOCOL_VERSION = 5
+WIRE_PROTOCOL_VERSION = 6

@@ -1,4 +1,4 @@
-"""wire: round trips, the bytes of protocol 5, and every malformed or truncated message names what is
+"""wire: round trips, the bytes of protocol 6, and every malformed or truncated message names what is
 wrong."""
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ def test_round_trip():
         assert decode(encode(msg)) == msg
 
 
-# Protocol 5 on the wire, written out by hand from protocol 4's bytes (which the msgpack encoder wrote
-# before msgspec): the version byte 04 -> 05 and, in the registration, one more map entry (8e -> 8f)
-# `first_token` = 64 (a fixint) after `deadline_unix`. Peers of any build of protocol 5 read each other.
-V5_BYTES = [
+# Protocol 6 on the wire, written out by hand from protocol 5's bytes: the version byte 05 -> 06 and, in
+# Done, one more map entry (86 -> 87) `sample` = "" (a6 "sample" a0) after `revision`; a registration's
+# block ids may be -1 and a layout carries `windows`, neither of which these messages use.
+V6_BYTES = [
     (
         Registration(
             "req-1",
@@ -54,7 +54,7 @@ V5_BYTES = [
             1.7e9 + 0.5,
             64,
         ),
-        "4b5646058fa174a3726567aa726571756573745f6964a57265712d31a7617474656d707402af636f6e73756d65725f656e67"
+        "4b5646068fa174a3726567aa726571756573745f6964a57265712d31a7617474656d707402af636f6e73756d65725f656e67"
         "696e65a86465636f64652d30ad636f6e73756d65725f72616e6b01ab636f6e73756d65725f747002ad636f6e73756d65725f"
         "686f7374a93132372e302e302e31ad636f6e73756d65725f706f7274cd15e1ab696e6361726e6174696f6ea3616263aa6e75"
         "6d5f746f6b656e73cd012ca9626c6f636b5f6964739193040506a87265766973696f6ea27231b26c61796f75745f66696e67"
@@ -62,14 +62,14 @@ V5_BYTES = [
     ),
     (
         Done("r", 0, "p", 0),
-        "4b56460586a174a4646f6e65aa726571756573745f6964a172a7617474656d707400af70726f64756365725f656e67696e"
-        "65a170ad70726f64756365725f72616e6b00a87265766973696f6ea0",
+        "4b56460687a174a4646f6e65aa726571756573745f6964a172a7617474656d707400af70726f64756365725f656e67696e65"
+        "a170ad70726f64756365725f72616e6b00a87265766973696f6ea0a673616d706c65a0",
     ),
     (
         PeerInfo("e", "a", b"\x00\x01", 0, 1, "i", {"k": [1, 2]}, "fp"),
-        "4b56460589a174a470656572a9656e67696e655f6964a165aa6167656e745f6e616d65a161ae6167656e745f6d657461"
-        "64617461c4020001a774705f72616e6b00a774705f73697a6501ab696e6361726e6174696f6ea169a66c61796f757481"
-        "a16b920102b26c61796f75745f66696e6765727072696e74a26670",
+        "4b56460689a174a470656572a9656e67696e655f6964a165aa6167656e745f6e616d65a161ae6167656e745f6d6574616461"
+        "7461c4020001a774705f72616e6b00a774705f73697a6501ab696e6361726e6174696f6ea169a66c61796f757481a16b9201"
+        "02b26c61796f75745f66696e6765727072696e74a26670",
     ),
 ]
 # Protocol 4's registration (no first_token): a peer of the old protocol is refused on its version byte.
@@ -82,19 +82,31 @@ V4_REGISTRATION = (
 )
 
 
-@pytest.mark.parametrize(("msg", "hexed"), V5_BYTES, ids=["reg", "done", "peer"])
-def test_protocol_5_bytes(msg, hexed):
+@pytest.mark.parametrize(("msg", "hexed"), V6_BYTES, ids=["reg", "done", "peer"])
+def test_protocol_6_bytes(msg, hexed):
     assert encode(msg).hex() == hexed
     assert decode(bytes.fromhex(hexed)) == msg
 
 
+# Protocol 5's Done (no `sample`): a peer of the protocol before sliding windows is refused by version.
+V5_DONE = (
+    "4b56460586a174a4646f6e65aa726571756573745f6964a172a7617474656d707400af70726f64756365725f656e67696e"
+    "65a170ad70726f64756365725f72616e6b00a87265766973696f6ea0"
+)
+
+
+def test_protocol_5_peers_are_refused_by_version():
+    with pytest.raises(WireError, match="protocol version 5 != ours 6"):
+        decode(bytes.fromhex(V5_DONE))
+
+
 def test_protocol_4_peers_are_refused_by_version():
-    with pytest.raises(WireError, match="protocol version 4 != ours 5"):
+    with pytest.raises(WireError, match="protocol version 4 != ours 6"):
         decode(bytes.fromhex(V4_REGISTRATION))
 
 
 def test_a_registration_without_first_token_is_refused():
-    body = msgspec.msgpack.decode(bytes.fromhex(V5_BYTES[0][1])[4:])
+    body = msgspec.msgpack.decode(bytes.fromhex(V6_BYTES[0][1])[4:])
     del body["first_token"]
     with pytest.raises(WireError, match="reg: missing field 'first_token'"):
         decode(raw(body))
@@ -150,7 +162,7 @@ def test_foreign_bytes_and_versions_are_rejected():
 
 
 def test_peer_metadata_must_be_bytes_and_layout_a_map():
-    body = msgspec.msgpack.decode(encode(V5_BYTES[2][0])[4:])
+    body = msgspec.msgpack.decode(encode(V6_BYTES[2][0])[4:])
     with pytest.raises(WireError, match="peer.agent_metadata: expected bytes, got str"):
         decode(raw({**body, "agent_metadata": "x"}))
     with pytest.raises(WireError, match="peer.layout: expected a map, got list"):
