@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 from kvferry.operator import crdgen, rbac
+from kvferry.operator.render import images
 from kvferry.tools import chartgen, helm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,9 +39,12 @@ OWNED_GLOBS = ("crds/*.yaml", f"{CHART}/templates/crd-*.yaml")
 # The namespace manifests/install.yaml installs into (`kubectl apply` has no --create-namespace).
 INSTALL_NAMESPACE = "kvferry-system"
 INSTALL_HEADER = f"""\
-# kvferry: CRD, operator and RBAC for `kubectl apply -f manifests/install.yaml`.
-# Generated from charts/kvferry with default values by `{crdgen.GENERATED_BY}`. Do not edit:
-# change the chart (or the operator's CRD/RBAC sources) and regenerate.
+# kvferry: CRD, operator and RBAC for `kubectl apply`, with the registry of the images you pushed:
+#   sed "s#{images.PLACEHOLDER_REGISTRY}#$REGISTRY#g" manifests/install.yaml \\
+#     | kubectl apply --server-side -f -
+# No kvferry image is published: {images.PLACEHOLDER_REGISTRY} is a stand-in that never resolves.
+# Generated from charts/kvferry with default values (and image.registry={images.PLACEHOLDER_REGISTRY}) by
+# `{crdgen.GENERATED_BY}`. Do not edit: change the chart (or the operator's CRD/RBAC sources) and regenerate.
 """
 
 # Where the chart grants a resource, by watch mode (see chartgen.SCOPES). Anything not listed is
@@ -117,7 +121,8 @@ def render_chart(chart: Path, chart_files: dict[Path, str]) -> str:
         shutil.copytree(chart, copy)
         for rel, text in chart_files.items():
             (copy / rel).write_text(text)
-        return helm.template(copy, namespace=INSTALL_NAMESPACE)
+        registry = f"image.registry={images.PLACEHOLDER_REGISTRY}"  # the chart requires one
+        return helm.template(copy, namespace=INSTALL_NAMESPACE, set_values=[registry])
 
 
 def generate(root: Path = ROOT) -> dict[Path, str]:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-DEFAULT_REGISTRY = "ghcr.io/kvferry"
+DEFAULT_REGISTRY = "ghcr.io/kvferry"  # the operator's and `kvferry render`'s default; nothing is published
+# manifests/install.yaml's stand-in registry (the chart itself requires image.registry): `.invalid` never
+# resolves (RFC 2606), so an unedited install fails at the pull, named (ImagePullFailed), not silently.
+PLACEHOLDER_REGISTRY = "registry.invalid/kvferry"
 # What a registry value may be (host[:port]/path, lower case as image references need): the chart's
 # values.schema.json and the operator's KVFERRY_IMAGE_REGISTRY check the same pattern.
 REGISTRY_PATTERN = r"^[a-z0-9]([a-z0-9._:-]*[a-z0-9])?(/[a-z0-9]([a-z0-9._-]*[a-z0-9])?)*$"

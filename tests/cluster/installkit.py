@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 from kvferry.local.controlplane import ControlPlane
+from kvferry.operator.render import images
 
 from tests.cluster.operator_fixtures import rbac_denials
 from tests.waiting import WaitTimeout, wait_until
@@ -30,6 +31,9 @@ from tests.waiting import WaitTimeout, wait_until
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvferry"
 EXAMPLES = ROOT / "manifests" / "examples"
+# The registry the tests install with (the chart requires one); the operator's own default, so image
+# names match what the operator renders without KVFERRY_IMAGE_REGISTRY.
+TEST_REGISTRY = images.DEFAULT_REGISTRY
 HELM_TIMEOUT = "120s"
 OPERATOR_START_TIMEOUT_S = 60.0
 RECONCILE_TIMEOUT_S = 90.0
@@ -55,6 +59,8 @@ def helm_install(
     """
     verb = ["upgrade", "--reuse-values"] if upgrade else ["install"]
     args = [*verb, release, str(CHART), "-n", namespace, "--take-ownership"]
+    if not upgrade:  # the chart requires a registry (nothing is published); kwok pulls no image
+        args += ["--set", f"image.registry={TEST_REGISTRY}"]
     if wait:
         args += ["--wait", "--timeout", HELM_TIMEOUT]
     for setting in settings:

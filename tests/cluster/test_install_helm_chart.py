@@ -8,7 +8,7 @@ import pytest
 from kvferry.local.controlplane import ControlPlane
 from kvferry.tools import helm
 
-from tests.cluster.installkit import CHART, get_json, helm_install, unique
+from tests.cluster.installkit import CHART, TEST_REGISTRY, get_json, helm_install, unique
 
 CRD = "disaggregatedinferences.kvferry.io"
 
@@ -26,7 +26,8 @@ CRD = "disaggregatedinferences.kvferry.io"
 def test_every_mode_renders_objects_the_api_server_accepts(
     control_plane: ControlPlane, namespace: str, settings: tuple[str, ...]
 ) -> None:
-    rendered = helm.template(CHART, release="kvferry", namespace=namespace, set_values=settings)
+    registry = f"image.registry={TEST_REGISTRY}"  # required by the chart; a setting may override it
+    rendered = helm.template(CHART, release="kvferry", namespace=namespace, set_values=(registry, *settings))
     res = control_plane.kubectl(
         "apply", "--dry-run=server", "--server-side", "--force-conflicts", "-f", "-", input=rendered
     )

@@ -68,12 +68,20 @@ Name of the operator's ServiceAccount: the given name, else the full name when t
 {{- end }}
 
 {{/*
+The registry of both kvferry images. Required: no kvferry image is published anywhere, so an unset
+registry would render pods that sit in ImagePullBackOff.
+*/}}
+{{- define "kvferry.registry" -}}
+{{- required "image.registry is required: no kvferry image is published. Build and push both images (REGISTRY=<registry> docker buildx bake --push, docs/install.md), then install with --set image.registry=<registry>" .Values.image.registry }}
+{{- end }}
+
+{{/*
 Operator image reference: <image.registry>/operator, then @digest when a digest is given, else :tag
 with the tag defaulting to the chart's appVersion (the names docker-bake.hcl pushes).
 */}}
 {{- define "kvferry.image" -}}
 {{- $img := .Values.operator.image }}
-{{- $repository := printf "%s/operator" (trimSuffix "/" .Values.image.registry) }}
+{{- $repository := printf "%s/operator" (trimSuffix "/" (include "kvferry.registry" .)) }}
 {{- if $img.digest }}
 {{- printf "%s@%s" $repository $img.digest }}
 {{- else }}

@@ -22,8 +22,12 @@ CRD_NAMES = {
 }
 
 
-def render(*set_values: str, namespace: str = "kvferry-system") -> list[dict[str, Any]]:
-    text = helm.template(CHART, namespace=namespace, set_values=set_values)
+def render(
+    *set_values: str, namespace: str = "kvferry-system", registry: str | None = images.DEFAULT_REGISTRY
+) -> list[dict[str, Any]]:
+    """The chart rendered with `set_values` over a registry (it requires one; None: leave it unset)."""
+    given = (f"image.registry={registry}",) if registry is not None else ()
+    text = helm.template(CHART, namespace=namespace, set_values=(*given, *set_values))
     return [d for d in yaml.safe_load_all(text) if d]
 
 
@@ -47,8 +51,10 @@ def test_lint_is_clean_in_every_mode(tmp_path) -> None:
         "operator: {watch: {scope: namespaces, namespaces: [a, b]}, replicas: 2,"
         " leaderElection: {enabled: true}}\n"
     )
-    helm.lint(CHART)
-    helm.lint(CHART, values=[namespaced])
+    registry = tmp_path / "registry.yaml"  # the chart requires one
+    registry.write_text(f"image: {{registry: {images.DEFAULT_REGISTRY}}}\n")
+    helm.lint(CHART, values=[registry])
+    helm.lint(CHART, values=[registry, namespaced])
 
 
 def test_default_render_has_exactly_the_expected_objects() -> None:
@@ -169,13 +175,16 @@ def test_service_monitor_is_opt_in() -> None:
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
 
 
+def test_an_unset_registry_refuses_to_render_and_says_why() -> None:
+    # No kvferry image is published: a default registry would render pods stuck in ImagePullBackOff.
+    with pytest.raises(helm.HelmError, match="image.registry is required: no kvferry image is published"):
+        render(registry=None)
+
+
 def test_one_registry_value_names_the_operator_router_and_engine_images() -> None:
     def env(container: dict[str, Any]) -> dict[str, str]:
         return {e["name"]: e.get("value") for e in container["env"]}
 
-    default = operator_container(render())
-    assert default["image"] == images.operator_image()
-    assert env(default)["KVFERRY_IMAGE_REGISTRY"] == images.DEFAULT_REGISTRY
     moved = operator_container(render("image.registry=registry.example.com/team/kvferry"))
     assert moved["image"] == images.operator_image("registry.example.com/team/kvferry")
     assert env(moved)["KVFERRY_ROUTER_IMAGE"] == moved["image"]  # routers and injectors run it too

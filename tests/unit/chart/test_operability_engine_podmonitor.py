@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import yaml
 from kvferry.operator import names
+from kvferry.operator.render import images
 from kvferry.operator.render.objects import render as render_cr
 from kvferry.tools import generate, helm
 
@@ -12,7 +13,9 @@ from tests.unit.operator.cases import make_inference
 
 
 def _chart(*set_values: str) -> list[dict]:
-    text = helm.template(generate.ROOT / generate.CHART, namespace="kvferry-system", set_values=set_values)
+    registry = f"image.registry={images.DEFAULT_REGISTRY}"  # the chart requires one
+    chart = generate.ROOT / generate.CHART
+    text = helm.template(chart, namespace="kvferry-system", set_values=(registry, *set_values))
     return [d for d in yaml.safe_load_all(text) if d]
 
 
