@@ -29,7 +29,7 @@ from kvferry.operator.config import OperatorConfig
 from kvferry.operator.spec import SpecError, parse_spec
 from kvferry.operator.spec.autoscaling import Autoscaling
 from kvferry.operator.status.publish import Watched, no_watch, write_status
-from kvferry.operator.status.scrape import Fetch, metrics_urls
+from kvferry.operator.status.scrape import Fetch, engine_pods_of, metrics_urls
 from kvferry.operator.status.transfer import human
 
 log = logging.getLogger("kvferry.operator.autoscale")
@@ -51,10 +51,14 @@ class Memory:
     scraped_at: float = 0.0  # monotonic time of `scrape`
 
 
-def read_engines(kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, fetch: Fetch) -> Scrape:
-    """Role -> source -> parsed sample of every running engine pod that answered with metrics."""
+def read_engines(
+    kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, fetch: Fetch, owners: dict[str, str]
+) -> Scrape:
+    """Role -> source -> parsed sample of every running engine pod that answered with metrics, of the
+    pods the role's StatefulSet (owners: role -> its UID) controls."""
     meta = cr["metadata"]
     pods = kube.list("Pod", meta["namespace"], {names.LABEL_NAME: names.fit(meta["name"])})
+    pods = engine_pods_of(pods, owners)
     out: dict[str, dict[str, EngineSample]] = {}
     for role, urls in metrics_urls(pods, cfg.metrics_url, meta["name"]).items():
         out[role] = {}
@@ -141,7 +145,8 @@ class Autoscaler:
             return []
         current = {r: int(s["spec"].get("replicas", 1)) for r, s in sets.items() if s}
         ready = {r: int(s.get("status", {}).get("readyReplicas", 0)) for r, s in sets.items() if s}
-        scrape = read_engines(kube, cr, cfg, fetch)
+        owners = {r: s["metadata"].get("uid", "") for r, s in sets.items() if s}
+        scrape = read_engines(kube, cr, cfg, fetch, owners)
         at = time.monotonic() if now is None else now
         key = meta.get("uid", f"{ns}/{name}")
         with self._lock:

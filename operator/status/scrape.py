@@ -8,8 +8,9 @@ the verdict are in transfer.py (pure).
 
 Where it fetches is the operator's own setting (KVFERRY_METRICS_URL), never anything a CR says: a
 cluster-wide operator fetching a URL a CR author chose would let anyone who may edit one CR reach cloud
-metadata or internal services with the operator's network identity. Only pods our StatefulSets own are
-read, through a template that may hold the fixed placeholders and nothing else.
+metadata or internal services with the operator's network identity. Only pods the CR's StatefulSets
+control (by UID: engine_pods_of) are read, through a template that may hold the fixed placeholders and
+nothing else.
 """
 
 from __future__ import annotations
@@ -158,6 +159,18 @@ def role_owners(cr: dict[str, Any], workloads: Watched) -> dict[str, str]:
     return out
 
 
+def engine_pods_of(pods: list[dict[str, Any]], owners: dict[str, str]) -> list[dict[str, Any]]:
+    """`pods` without the engine pods (role prefill/decode) that no StatefulSet of `owners` (role ->
+    UID, role_owners) controls: a pod labelled as this CR's engine but another StatefulSet's (a name
+    proves nothing) is neither read nor counted. Other pods (the router's) pass as they are."""
+    out = []
+    for pod in pods:
+        role = (pod["metadata"].get("labels") or {}).get(names.LABEL_ROLE)
+        if role not in names.ROLES or (owners.get(role) and not_controlled(pod, owners[role], "Pod") is None):
+            out.append(pod)
+    return out
+
+
 def scrape(
     kube: Kube,
     cr: dict[str, Any],
@@ -174,8 +187,10 @@ def scrape(
         return []  # nothing rendered yet
     pods = kube.list("Pod", meta["namespace"], {names.LABEL_NAME: names.fit(meta["name"])})
     workloads = _watched_or_read(kube, cr, watched)
+    owners = role_owners(cr, workloads)
+    pods = engine_pods_of(pods, owners)
     if nodes is not None:
-        network.label_pods(kube, pods, role_owners(cr, workloads), nodes)
+        network.label_pods(kube, pods, owners, nodes)
     refusal = podchecks.start_failure(pods)  # a kvferry start-up step refused: pods never serve
     read = texts_from_router if cfg.transfer_source == "router" else texts_from_pods
     texts = read(pods, cfg, fetch, meta["name"])

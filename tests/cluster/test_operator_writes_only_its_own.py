@@ -1,7 +1,8 @@
 """On the real API server: every write the operator makes that is not an apply goes through the one
 ownership gate (Kube.write_owned). A CR named `db` whose `db-prefill` is another team's StatefulSet
 reports Conflict, publishes no revision, and neither its autoscaler (/scale) nor its metrics timer
-(engine pod labels) touches that StatefulSet or its pods; its own StatefulSet is still scaled."""
+(engine pod labels) touches that StatefulSet or its pods, nor reads their metrics; its own
+StatefulSet is still scaled."""
 
 from __future__ import annotations
 
@@ -85,8 +86,14 @@ def test_a_cr_never_scales_or_labels_what_another_team_named_like_its_objects(cl
     assert cluster.get("statefulset", "db-prefill")["spec"]["replicas"] == 1, events
     assert cluster.get("statefulset", "db-decode")["spec"]["replicas"] == 1  # not planned from theirs either
 
-    scrape.scrape(operator_kube, cr, cfg, lambda url: None, nodes=NodeSays())
+    fetched: list[str] = []
+    pods_cfg = OperatorConfig(
+        operator_namespace=OPERATOR_NAMESPACE, transfer_source="pods", metrics_url="http://test/{pod}"
+    )
+    scrape.scrape(operator_kube, cr, pods_cfg, lambda url: fetched.append(url), nodes=NodeSays())
     assert LAYER not in cluster.get("pod", "db-prefill-0")["metadata"]["labels"]
+    assert cluster.get("pod", "db-prefill-0")["status"]["phase"] == "Running"
+    assert not [u for u in fetched if "db-prefill" in u], fetched  # their metrics are not read either
 
     # The gate itself, handed their StatefulSet: refused, nothing written; our own: scaled.
     theirs, ours = cluster.get("statefulset", "db-prefill"), cluster.get("statefulset", "db-decode")

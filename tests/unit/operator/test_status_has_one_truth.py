@@ -57,7 +57,13 @@ class FakeKube:
                     "namespace": namespace,
                     "labels": {names.LABEL_ROLE: role},
                     "ownerReferences": [
-                        {"kind": "StatefulSet", "name": names.role_name("x", role), "controller": True}
+                        # uid: the one apply() gives every stored object (the StatefulSet's here)
+                        {
+                            "kind": "StatefulSet",
+                            "name": names.role_name("x", role),
+                            "uid": "u",
+                            "controller": True,
+                        }
                     ],
                 },
                 "status": {"phase": "Running", "podIP": "10.0.0.1"},
