@@ -86,6 +86,9 @@ def test_the_first_chunk_mirrors_prefills_answer() -> None:
         answer(chat=True, message={"role": "assistant", "content": "", "tool_calls": [{"id": "x"}]}),
         {"choices": []},
         None,
+        # a sliding-window model's prefill computed the prompt but its last token (connector/scheduler.py):
+        # its one token follows a shorter prompt and is not the request's first
+        {**answer(), "kv_transfer_params": {"kvferry": {"request_id": "r", "attempt": 0, "tail": 1}}},
     ],
 )
 def test_an_answer_that_cannot_be_mirrored_sends_nothing_early(bad: Any) -> None:
