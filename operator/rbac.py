@@ -53,6 +53,13 @@ RULES: list[tuple[list[str], list[str], list[str], str]] = [
         "spans nodes; the LWS controller makes its pods)",
     ),
     (
+        ["resource.k8s.io"],
+        ["resourceclaimtemplates"],
+        ["get", "create", "patch"],
+        "server-side apply of a role's ResourceClaimTemplate (only rendered for efaAttach dra; the "
+        "resource-claim controller makes each pod's ResourceClaim from it)",
+    ),
+    (
         ["kueue.x-k8s.io"],
         ["workloads"],
         ["get"],

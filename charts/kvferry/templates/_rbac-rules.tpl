@@ -43,6 +43,11 @@
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
   verbs: [get, create, patch]
+# server-side apply of a role's ResourceClaimTemplate (only rendered for efaAttach dra; the
+# resource-claim controller makes each pod's ResourceClaim from it)
+- apiGroups: [resource.k8s.io]
+  resources: [resourceclaimtemplates]
+  verbs: [get, create, patch]
 # spec.placement.gang kueue: read the pod group's Workload so GangAdmitted says whether Kueue
 # admitted prefill and decode or holds them (one get per reconcile and metrics interval)
 - apiGroups: [kueue.x-k8s.io]
