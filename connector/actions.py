@@ -6,7 +6,7 @@ WRITEs, releases blocks and reports results; the cores themselves do no I/O. Pur
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvferry.connector.wire import Registration
 
@@ -28,10 +28,14 @@ class StartWrite:
 
 @dataclass(frozen=True)
 class SendFailure:
-    """Producer: tell the consumer rank of `reg` that it will not get this KV, and why."""
+    """Producer: tell the consumer rank of `reg` that it will not get this KV, and why. Unless
+    `verified` (our prefill named this key and this consumer engine), the endpoint sends it only to
+    a peer it already knows: a registration an unknown sender makes up never draws a handshake to
+    whatever address it names (the consumer then ends at its own deadline)."""
 
     reg: Registration
     reason: str
+    verified: bool = field(default=True, compare=False)
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,18 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
 from kvferry.connector import actions as A
 from kvferry.connector import protocol as P
 from kvferry.connector.config import KvferryConfig
+from kvferry.connector.identity import tokens_digest
 from kvferry.connector.intake import admit
 from kvferry.connector.kvcache import read_host
 from kvferry.connector.layout import KVLayout, LayoutError, refusal
-from kvferry.connector.metrics import Metrics
+from kvferry.connector.metrics import Metrics, failure_reason
 from kvferry.connector.notify import Notifier, Receive
 from kvferry.connector.pacing import Load, Usage, next_wait
 from kvferry.connector.peers import Peers
@@ -91,7 +92,10 @@ class Endpoint:
         tp_size: int,
         layout: KVLayout,
         metrics: Metrics | None = None,
+        model_digest: str = "",
     ) -> None:
+        """`model_digest`: identity.model_digest of this engine's weights and tokenizer; a consumer
+        sends it in every registration, a producer refuses registrations of another."""
         if role not in ("producer", "consumer"):
             raise ValueError(f"role must be producer or consumer, got {role!r}")
         self.cfg, self.role, self.engine_id = cfg, role, engine_id
@@ -100,10 +104,16 @@ class Endpoint:
         self.incarnation = uuid.uuid4().hex[:8]
         self.agent_name = f"{engine_id}/{tp_rank}/{self.incarnation}"
         limits = P.Limits(
-            cfg.lease_s, cfg.registration_ttl_s, cfg.registration_ttl_s, cfg.max_entries, cfg.grace_s
+            lease_s=cfg.lease_s,
+            registration_ttl_s=cfg.registration_ttl_s,
+            early_notice_ttl_s=cfg.registration_ttl_s,
+            max_entries=cfg.max_entries,
+            grace_s=cfg.grace_s,
+            max_early_notices=2 * cfg.max_entries,
         )
+        self.model_digest = model_digest
         core_args = dict(total_heads=layout.total_heads, rank=tp_rank, tp_size=tp_size, limits=limits)
-        self.producer = P.ProducerCore(**core_args) if role == "producer" else None
+        self.producer = P.ProducerCore(**core_args, identity=model_digest) if role == "producer" else None
         self.consumer = P.ConsumerCore(**core_args) if role == "consumer" else None
         self._commands: queue.SimpleQueue[tuple[Callable[[float], list[A.Action]], Key]] = queue.SimpleQueue()
         self.dead: str = ""  # why the endpoint thread stopped serving ("" while it serves)
@@ -150,11 +160,20 @@ class Endpoint:
 
     # ---- producer API (any thread, non-blocking) ----
     def prefill_finished(
-        self, request_id: str, attempt: int, block_ids: list[list[int]], num_tokens: int, consumer_engine: str
+        self,
+        request_id: str,
+        attempt: int,
+        block_ids: list[list[int]],
+        num_tokens: int,
+        consumer_engine: str,
+        token_ids: Sequence[int] | None = None,
     ) -> None:
+        """`token_ids`: the prompt's (at least num_tokens), which the consumer's digest must match."""
         key = (request_id, attempt)
+        ids = tuple(token_ids) if token_ids is not None else None
         self._submit(
-            lambda now: self.producer.prefill_finished(key, block_ids, num_tokens, consumer_engine, now), key
+            lambda now: self.producer.prefill_finished(key, block_ids, num_tokens, consumer_engine, now, ids),
+            key,
         )
 
     def prefill_aborted(self, request_id: str, attempt: int) -> None:
@@ -176,9 +195,11 @@ class Endpoint:
         num_tokens: int,
         deadline_s: float | None = None,
         first_token: int = 0,
+        token_ids: Sequence[int] | None = None,
     ) -> None:
         """Receive tokens [first_token, num_tokens) into `block_ids` (per group, the blocks from the
-        one holding `first_token`, which starts a block: this rank already holds the tokens before it)."""
+        one holding `first_token`, which starts a block: this rank already holds the tokens before it).
+        `token_ids`: the prompt's (at least num_tokens); their digest goes in the registration."""
         key = (request_id, attempt)
         deadline = deadline_s if deadline_s is not None else self.cfg.deadline_s
 
@@ -188,8 +209,13 @@ class Endpoint:
                     f"tokens [{first_token}, {num_tokens}) do not start on a "
                     f"{self.layout.block_size}-token block of this rank"
                 )
-            self._recv[key] = (producer_host, producer_port, block_ids, first_token, num_tokens, producer_tp)
-            return self.consumer.expect(key, producer_engine, producer_tp, deadline, now)
+            digest_of = tokens_digest(token_ids, num_tokens)  # validated before any state changes
+            out = self.consumer.expect(key, producer_engine, producer_tp, deadline, now)
+            if any(isinstance(a, A.Register) for a in out):  # accepted: its actions need these
+                self._recv[key] = (
+                    producer_host, producer_port, block_ids, first_token, num_tokens, producer_tp, digest_of
+                )  # fmt: skip
+            return out
 
         self._submit(run, key)
 
@@ -300,6 +326,7 @@ class Endpoint:
         self.notifier = Notifier(
             self.cfg, self.transport, self.peers, self.metrics, me=info, side_port=self.side_port,
             role=self.role, refusal=partial(self._refusal, consumer_side=True),
+            model_digest=self.model_digest,
         )  # fmt: skip
 
     def _teardown(self) -> None:
@@ -425,7 +452,7 @@ class Endpoint:
         info = self._recv.get((done.request_id, done.attempt))
         if info is None:  # not expected (the core rejects it) or already settled
             return True
-        _, _, blocks, first_token, num_tokens, producer_tp = info
+        _, _, blocks, first_token, num_tokens, producer_tp, _ = info
         tokens = sample_tokens(self.layout, done.request_id, done.attempt, first_token, num_tokens)
         heads = shared_heads(self.layout, done.producer_rank, producer_tp)
         try:
@@ -478,7 +505,7 @@ class Endpoint:
                 lambda agent, err: self._start_write(action, agent, err),
             )
         elif isinstance(action, A.SendFailure):
-            self.notifier.failure(action.reg, action.reason)
+            self.notifier.failure(action.reg, action.reason, action.verified)
         elif isinstance(action, A.Release):
             self._publish(
                 lambda r: (
@@ -499,8 +526,8 @@ class Endpoint:
             for rank in action.silent if info is not None else ():
                 self.peers.forget_address(info[0], info[1] + rank)  # re-handshake before the next use
             self.metrics.record("failures", 1, self.role, action.reason)
-            log_limited(log, logging.WARNING, ("failed", action.reason), "kvferry: receive of %s failed: %s",
-                        action.key, action.reason)  # fmt: skip
+            log_limited(log, logging.WARNING, ("failed", failure_reason(action.reason)),
+                        "kvferry: receive of %s failed: %.80s", action.key, action.reason)  # fmt: skip
             self._publish(lambda r: r.failed.append((action.key, action.reason)))
         elif isinstance(action, A.Reject):
             self.metrics.record("rejected", 1, self.role, action.reason)

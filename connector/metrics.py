@@ -16,6 +16,24 @@ from typing import Any
 from kvferry.contracts import metrics as names
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# Every failure reason either side can name (docs/metrics.md). A producer's Failure carries its reason
+# to the consumer, which reports it: a label value a peer chooses, so anything else counts as "other"
+# (a made-up reason per message would otherwise create a time series per message).
+FAILURE_REASONS = frozenset(
+    (
+        "cancelled", "deadline", "duplicate", "failed", "handshake_failed", "lease_expired",
+        "malformed", "model_mismatch", "null_block", "overflow", "overloaded", "prefill_aborted",
+        "producer_overloaded", "registration_expired", "rejected", "superseded", "token_mismatch",
+        "transfer_failed", "write_failed", "write_stuck", names.LAYOUT_MISMATCH, names.SAMPLE_MISMATCH,
+    )
+)  # fmt: skip
+
+
+def failure_reason(reason: str) -> str:
+    """The `reason` label of a failure: one of FAILURE_REASONS or "other"."""
+    return reason if reason in FAILURE_REASONS else "other"
+
+
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 
@@ -213,6 +231,8 @@ class Metrics:
         self._journal: list[list[Any]] | None = [] if journal else None
 
     def record(self, attr: str, value: float, *labels: str) -> None:
+        if attr == "failures" and len(labels) == 2:  # (role, reason): a peer may name the reason
+            labels = (labels[0], failure_reason(labels[1]))
         apply(self._m, [[attr, list(labels), value]])
         if self._journal is not None:
             self._journal.append([attr, list(labels), value])

@@ -23,8 +23,8 @@ from kvferry.connector.wire import Cancel, Failure, PeerInfo, Registration, enco
 from kvferry.contracts.metrics import LAYOUT_MISMATCH
 
 log = logging.getLogger(__name__)
-# producer host, port; blocks, first token, end token; producer TP size
-Receive = tuple[str, int, list[list[int]], int, int, int]
+# producer host, port; blocks, first token, end token; producer TP size; digest of the prompt's tokens
+Receive = tuple[str, int, list[list[int]], int, int, int, str]
 
 
 class Notifier:
@@ -39,12 +39,22 @@ class Notifier:
         side_port: int,
         role: str,
         refusal: Callable[[str], str],  # why this rank refuses a producer agent's layout ("" if not)
+        model_digest: str = "",  # identity.model_digest of our weights, sent in every registration
     ) -> None:
+        self.model_digest = model_digest
         self.cfg, self.transport, self.peers, self.metrics = cfg, transport, peers, metrics
         self.me, self.side_port, self.role, self._refusal = me, side_port, role, refusal
 
-    def failure(self, reg: Registration, reason: str) -> None:
-        """Producer: tell the consumer rank of `reg` that it will not get this KV, and why."""
+    def failure(self, reg: Registration, reason: str, verified: bool = True) -> None:
+        """Producer: tell the consumer rank of `reg` that it will not get this KV, and why. Unless
+        `verified` (protocol.py: our prefill named its key and engine), only to an agent already
+        loaded for that address and incarnation: a made-up registration never makes this rank
+        handshake with whatever host and port it names (no reflection); its sender, if real, ends
+        the receive at its own deadline."""
+        known = None if verified else self.peers.known(reg.consumer_host, reg.consumer_port, reg.incarnation)
+        if not verified and known is None:
+            self.metrics.record("rejected", 1, self.role, "unverified_consumer")
+            return
         msg = encode(
             Failure(
                 reg.request_id,
@@ -60,6 +70,9 @@ class Notifier:
         def then(agent: str | None, err: str) -> None:
             self.send(agent, msg, err)
 
+        if known is not None:
+            then(known, "")
+            return
         self.peers.with_peer(reg.consumer_host, reg.consumer_port, reg.consumer_engine, reg.incarnation, then)
 
     def to_producers(
@@ -74,7 +87,7 @@ class Notifier:
         """Consumer: the registration (or cancel) of `action.key` to each of its producer ranks.
         `deadline` is the receive's, on the monotonic clock of `now`; `registration_failed(rank, why)`
         when a producer rank will never see its registration."""
-        host, port, blocks, first_token, num_tokens, _ = info
+        host, port, blocks, first_token, num_tokens, _, digest = info
         rid, attempt = action.key
         for rank in action.producer_ranks:
             if isinstance(action, SendCancel):
@@ -85,7 +98,7 @@ class Notifier:
             reg = Registration(
                 rid, attempt, self.me.engine_id, self.me.tp_rank, self.me.tp_size, self.cfg.side_channel_host,
                 self.side_port, self.me.incarnation, num_tokens, blocks, self.cfg.revision,
-                self.me.layout_fingerprint, deadline_unix, first_token,
+                self.me.layout_fingerprint, deadline_unix, first_token, digest, self.model_digest,
             )  # fmt: skip
             fail = partial(registration_failed, rank)
             self.deliver(host, port + rank, producer_engine, encode(reg), fail)

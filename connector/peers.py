@@ -4,6 +4,9 @@ Fetches (TCP, bounded, retried with backoff) run on a small pool of fetch thread
 NIXL; loading the fetched agent metadata into NIXL happens in `finish()`, on the endpoint thread.
 Callers pass a continuation that receives the agent name, or None and the reason. Pods come and go:
 `prune()` unloads agents of peers unused for `peer_idle_s` and stale agents of restarted peers.
+Bounded: at most MAX_FETCHES addresses are being fetched at once and MAX_WAITERS continuations wait
+on one; beyond that a caller is answered at once with the reason, nothing queues. A fetch with an
+expected incarnation must find that very agent at the address, not just an agent of the engine.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from kvferry.connector.wire import PeerInfo, layout_from_wire
 log = logging.getLogger(__name__)
 Then = Callable[[str | None, str], None]
 Addr = tuple[str, int]
+MAX_FETCHES = 64  # addresses being fetched at once (a decode's producer ranks, a prefill's consumers)
+MAX_WAITERS = 1024  # continuations waiting on one fetch
 
 
 class Peers:
@@ -49,11 +54,24 @@ class Peers:
             then(cached[1], "")
             return
         if (host, port) in self._fetches:
-            self._fetches[(host, port)][1].append(then)
+            waiters = self._fetches[(host, port)][1]
+            if len(waiters) >= MAX_WAITERS:
+                then(None, f"{MAX_WAITERS} transfers already wait for {host}:{port}")
+                return
+            waiters.append(then)
             return
-        future = self._pool.submit(self._fetch, host, port, engine)
+        if len(self._fetches) >= MAX_FETCHES:
+            self.metrics.record("handshakes", 1, "refused")
+            then(None, f"{MAX_FETCHES} handshakes already under way")
+            return
+        future = self._pool.submit(self._fetch, host, port, engine, incarnation)
         future.add_done_callback(lambda _: self._wake())
         self._fetches[(host, port)] = (future, [then])
+
+    def known(self, host: str, port: int, incarnation: str) -> str | None:
+        """The agent already loaded for host:port if it is that incarnation (no fetch, no I/O)."""
+        cached = self._known.get((host, port))
+        return cached[1] if cached is not None and cached[0] == incarnation else None
 
     def forget(self, agent: str) -> None:
         """A send to `agent` failed: the next use fetches the peer again (prune() unloads it)."""
@@ -83,7 +101,7 @@ class Peers:
                 transport.peers.pop(agent, None)
         return gone
 
-    def _fetch(self, host: str, port: int, engine: str | None) -> PeerInfo:
+    def _fetch(self, host: str, port: int, engine: str | None, incarnation: str | None) -> PeerInfo:
         delay, last = 0.05, None
         for _ in range(self.cfg.handshake_attempts):
             try:
@@ -96,6 +114,11 @@ class Peers:
             if engine is not None and info.engine_id != engine:
                 raise SideChannelError(
                     f"side channel {host}:{port} is engine {info.engine_id!r}, expected {engine!r}"
+                )
+            if incarnation is not None and info.incarnation != incarnation:
+                raise SideChannelError(
+                    f"side channel {host}:{port} serves incarnation {info.incarnation!r}, "
+                    f"expected {incarnation!r}"
                 )
             return info
         raise SideChannelError(f"{last} (after {self.cfg.handshake_attempts} attempts)")

@@ -33,7 +33,8 @@ from kvferry.connector.actions import (
     SendFailure,
     StartWrite,
 )
-from kvferry.connector.layout import overlapping_ranks
+from kvferry.connector.identity import tokens_digest
+from kvferry.connector.layout import LayoutError, overlapping_ranks
 from kvferry.connector.wire import Done, Failure, Registration
 
 
@@ -44,6 +45,10 @@ class Limits:
     early_notice_ttl_s: float = 60.0  # consumer: how long a notice waits for its expectation
     max_entries: int = 4096  # per map
     grace_s: float = 2.0  # consumer: blocks stay quarantined this long past the deadline for answers
+    # consumer: notices buffered before their expectation, in all and per key (one per producer
+    # engine and rank is all an honest peer sends; a flood beyond either bound is dropped, counted)
+    max_early_notices: int = 8192
+    max_notices_per_key: int = 64
 
 
 # ---- producer -----------------------------------------------------------------------------------
@@ -54,64 +59,93 @@ class _Finished:
     consumer_engine: str
     since: float
     expires: float
+    token_ids: tuple[int, ...] | None = None  # the prompt's, for the consumer's digest (identity.py)
     targets: set[int] | None = None  # consumer ranks to write, known from the first registration
     regs: dict[int, Registration] = field(default_factory=dict)
     inflight: set[int] = field(default_factory=set)
     done: set[int] = field(default_factory=set)
     failed: bool = False
+    digests: dict[int, str] = field(default_factory=dict)  # num_tokens -> tokens_digest, once each
+
+
+Slot = tuple[Key, str, int]  # (key, consumer engine, consumer rank)
+MAX_SLOTS_PER_KEY = 64  # parked registrations of one key (consumer ranks x engines)
 
 
 class ProducerCore:
-    """Rendezvous of 'prefill finished' and registrations on one producer TP rank."""
+    """Rendezvous of 'prefill finished' and registrations on one producer TP rank.
 
-    def __init__(self, *, total_heads: int, rank: int, tp_size: int, limits: Limits = Limits()) -> None:
+    Each input validates and computes first and mutates last, so an input that is refused (or a
+    bug that raises) leaves no half-done entry behind. Lookups by request id go through indexes, so
+    a flood of registrations costs O(1) each, never a scan of every map."""
+
+    def __init__(
+        self, *, total_heads: int, rank: int, tp_size: int, limits: Limits = Limits(), identity: str = ""
+    ) -> None:
         self.total_heads, self.rank, self.tp_size, self.limits = total_heads, rank, tp_size, limits
+        self.identity = identity  # identity.model_digest of our weights: a registration must match it
         self.finished: dict[Key, _Finished] = {}
         # (key, consumer engine, consumer rank) -> (registration, arrived, consumer's deadline). The
         # engine is part of the slot: another engine registering the same key first (a replayed or
         # misrouted request) must not take the slot of the one the prefill names.
-        self.parked: OrderedDict[tuple[Key, str, int], tuple[Registration, float, float]] = OrderedDict()
+        self.parked: OrderedDict[Slot, tuple[Registration, float, float]] = OrderedDict()
         self.latest: OrderedDict[str, int] = OrderedDict()  # request_id -> newest attempt seen
         self.ended: OrderedDict[Key, str] = OrderedDict()  # recently released keys -> reason
+        # Keys our own prefill named, with the consumer engine it named ("" when aborted): only a
+        # registration for such a key may draw a Failure through a new handshake (SendFailure.verified).
+        self.named: OrderedDict[Key, str] = OrderedDict()
+        self._finished_of: dict[str, dict[Key, None]] = {}  # request_id -> its keys in `finished`
+        # request_id -> attempt -> its slots in `parked`, in arrival order
+        self._parked_of: dict[str, dict[int, dict[Slot, None]]] = {}
 
     # inputs
     def prefill_finished(
-        self, key: Key, block_ids: list[list[int]], num_tokens: int, consumer_engine: str, now: float
+        self,
+        key: Key,
+        block_ids: list[list[int]],
+        num_tokens: int,
+        consumer_engine: str,
+        now: float,
+        token_ids: tuple[int, ...] | None = None,
     ) -> list[Action]:
-        out: list[Action] = []
+        if num_tokens < 0 or (token_ids is not None and len(token_ids) < num_tokens):
+            n = "no" if token_ids is None else len(token_ids)
+            return [Reject("malformed", f"prefill of {key}: {num_tokens} tokens, {n} token ids"),
+                    Release(key, "malformed")]  # fmt: skip
         if self._superseded(key):
             return [
                 Reject("superseded", f"prefill of {key} finished after a newer attempt"),
                 Release(key, "superseded"),
             ]
-        out += self._supersede_older(key, now)
         if key in self.finished:
-            return out + [Reject("duplicate", f"prefill of {key} finished twice")]
+            return [Reject("duplicate", f"prefill of {key} finished twice")]
+        out = self._supersede_older(key, now)
+        self._name(key, consumer_engine)
         if key in self.ended:  # e.g. the consumer cancelled before the prefill finished: free at once
             return out + [Reject("late_prefill", f"prefill of {key} finished after it ended: "
                                  f"{self.ended[key]}"), Release(key, self.ended[key])]  # fmt: skip
-        self.finished[key] = _Finished(block_ids, num_tokens, consumer_engine, now, now + self.limits.lease_s)
+        entry = _Finished(block_ids, num_tokens, consumer_engine, now, now + self.limits.lease_s, token_ids)
+        self._hold(key, entry)
         out += self._evict_if_full_finished(now)
-        for slot, (reg, _, deadline) in list(self.parked.items()):
-            if slot[0] == key:
-                del self.parked[slot]
-                # The eviction above may have dropped this very entry (every older one has a WRITE
-                # in flight): its waiting consumers are told, as for any evicted entry.
-                if key not in self.finished:
-                    out.append(SendFailure(reg, "producer_overloaded"))
-                    continue
-                out += self._accept(key, reg, now, deadline)
+        for slot in self._slots(key):
+            reg, _, deadline = self._unpark(slot)
+            # The eviction above may have dropped this very entry (every older one has a WRITE
+            # in flight): its waiting consumers are told, as for any evicted entry.
+            if key not in self.finished:
+                out.append(self._fail(reg, "producer_overloaded"))
+                continue
+            out += self._accept(key, reg, now, deadline)
         return out
 
     def prefill_aborted(self, key: Key, now: float) -> list[Action]:
         """The prefill will never finish (aborted or failed): fail consumers that already registered.
         Like any newer attempt, it releases what older attempts of the request still hold."""
         out = self._supersede_older(key, now)
+        self._name(key, "")
         out.append(self._end(key, "prefill_aborted"))
-        for slot, (reg, _, _) in list(self.parked.items()):
-            if slot[0] == key:
-                del self.parked[slot]
-                out.append(SendFailure(reg, "prefill_aborted"))
+        for slot in self._slots(key):
+            reg, _, _ = self._unpark(slot)
+            out.append(self._fail(reg, "prefill_aborted"))
         return out
 
     def registration(self, reg: Registration, now: float, deadline: float = float("inf")) -> list[Action]:
@@ -122,43 +156,54 @@ class ProducerCore:
             # WRITE. A Failure for it (superseded, deadline) could reach the consumer before the
             # WRITE ends and let it reuse blocks the WRITE still writes into.
             return [Reject("duplicate", f"second registration for {key} rank {reg.consumer_rank}")]
+        # Validate before any state is read or changed: a registration we could never write (a TP
+        # that cannot split the heads, a rank outside it or sharing no heads with us) is refused by
+        # name and answered with nothing (its consumer is not one that rank could be).
+        if why := self._unwritable(reg):
+            return [Reject("unexpected_rank" if "shares no heads" in why else "malformed", f"{key}: {why}")]
+        if reg.model_digest != self.identity:  # another model, revision, dtype, tokenizer...
+            return [Reject("model_mismatch", f"{key}: consumer weights {reg.model_digest or '-'}, ours "
+                           f"{self.identity or '-'}"), self._fail(reg, "model_mismatch")]  # fmt: skip
         if self._superseded(key):
             return [
                 Reject("superseded", f"registration for {key}, newer attempt {self.latest[key[0]]}"),
-                SendFailure(reg, "superseded"),
+                self._fail(reg, "superseded"),
             ]
         if self.ended.get(key) == "sent":
             return [Reject("duplicate", f"registration for {key} after its KV was sent")]
         if key in self.ended:
             return [
                 Reject("late_registration", f"{key} already ended: {self.ended[key]}"),
-                SendFailure(reg, self.ended[key]),
+                self._fail(reg, self.ended[key]),
             ]
-        if reg.consumer_tp <= 0 or reg.consumer_rank >= reg.consumer_tp:
-            return [Reject("malformed", f"consumer rank {reg.consumer_rank} of tp {reg.consumer_tp}")]
         if reg.first_token >= reg.num_tokens:  # nothing to write cannot be answered by a WRITE
             return [
                 Reject("malformed", f"{key}: tokens [{reg.first_token}, {reg.num_tokens}) is empty"),
-                SendFailure(reg, "token_mismatch"),
+                self._fail(reg, "token_mismatch"),
             ]
+        slot = (key, reg.consumer_engine, reg.consumer_rank)
+        if key not in self.finished and slot in self.parked:
+            return [Reject("duplicate", f"second registration for {key} rank {reg.consumer_rank}")]
+        if key not in self.finished and len(self._slots(key)) >= MAX_SLOTS_PER_KEY:
+            # A key has one slot per consumer rank of the engine the router chose; more are a flood
+            # (every engine name an attacker makes up) that would make each look-up of the key a scan.
+            return [Reject("overflow", f"{key}: {MAX_SLOTS_PER_KEY} registrations already parked")]
         out = self._supersede_older(key, now)
         if now >= deadline:
             return out + [Reject("past_deadline", f"{key} registered after its deadline"),
-                          SendFailure(reg, "deadline")]  # fmt: skip
+                          self._fail(reg, "deadline")]  # fmt: skip
         if key in self.finished:
             return out + self._accept(key, reg, now, deadline)
-        slot = (key, reg.consumer_engine, reg.consumer_rank)
-        if slot in self.parked:
-            return out + [Reject("duplicate", f"second registration for {key} rank {reg.consumer_rank}")]
-        self.parked[slot] = (reg, now, deadline)
+        self._park(slot, (reg, now, deadline))
         while len(self.parked) > self.limits.max_entries:
-            ((old_key, _, _), (old, _, _)) = self.parked.popitem(last=False)
+            old_slot = next(iter(self.parked))
+            old, _, _ = self._unpark(old_slot)
             # The key ends, as on a Cancel: a copy of `old` arriving later gets this Failure again,
             # not a WRITE into blocks its consumer freed on this one (and the prefill is freed at once).
-            self._mark_ended(old_key, "producer_overloaded")
+            self._mark_ended(old_slot[0], "producer_overloaded")
             out += [
                 Reject("overflow", f"parked registrations full; dropped {old.request_id}"),
-                SendFailure(old, "producer_overloaded"),
+                self._fail(old, "producer_overloaded"),
             ]
         return out
 
@@ -170,10 +215,10 @@ class ProducerCore:
             # The consumer's request failed as a whole: other ranks' registrations and the prefill's
             # blocks need not wait for their TTL and lease.
             out: list[Action] = []
-            for slot, (reg, _, _) in list(self.parked.items()):
-                if slot[0] == key and reg.consumer_engine == consumer_engine:
-                    del self.parked[slot]
-                    out.append(SendFailure(reg, "cancelled"))
+            for slot in self._slots(key):
+                if slot[1] == consumer_engine:
+                    reg, _, _ = self._unpark(slot)
+                    out.append(self._fail(reg, "cancelled"))
             self._mark_ended(key, "cancelled")  # nothing is held yet: no Release
             return out
         entry = self.finished.get(key)
@@ -196,7 +241,7 @@ class ProducerCore:
             return self._maybe_release(key, now)
         # The failure answers this rank: out of entry.regs, so _maybe_release below (and a later lease
         # expiry or supersede) does not send it a second Failure ("transfer_failed").
-        out: list[Action] = [SendFailure(entry.regs.pop(consumer_rank), reason)]
+        out: list[Action] = [self._fail(entry.regs.pop(consumer_rank), reason)]
         entry.failed = True
         return out + self._maybe_release(key, now)
 
@@ -204,18 +249,18 @@ class ProducerCore:
         out: list[Action] = []
         for key, entry in list(self.finished.items()):
             if now >= entry.expires and not entry.inflight:  # never free blocks a WRITE is reading
-                out += [SendFailure(r, "lease_expired") for n, r in entry.regs.items() if n not in entry.done]
+                out += [self._fail(r, "lease_expired") for n, r in entry.regs.items() if n not in entry.done]
                 out.append(self._end(key, "lease_expired"))
         for slot, (reg, since, deadline) in list(self.parked.items()):
             if now >= deadline:
-                del self.parked[slot]
-                out.append(SendFailure(reg, "deadline"))
+                self._unpark(slot)
+                out.append(self._fail(reg, "deadline"))
             elif now - since >= self.limits.registration_ttl_s:
-                del self.parked[slot]
+                self._unpark(slot)
                 self._mark_ended(slot[0], "registration_expired")  # as for an overflow, above
                 out += [
                     Reject("registration_expired", f"no prefill for {slot[0]} within the TTL"),
-                    SendFailure(reg, "registration_expired"),
+                    self._fail(reg, "registration_expired"),
                 ]
         return out
 
@@ -228,7 +273,28 @@ class ProducerCore:
         }
 
     # helpers
+    def _unwritable(self, reg: Registration) -> str:
+        """Why no WRITE of this rank could ever answer `reg` ("" if one can); pure."""
+        if reg.consumer_tp <= 0 or reg.consumer_rank >= reg.consumer_tp:
+            return f"consumer rank {reg.consumer_rank} of tp {reg.consumer_tp}"
+        try:
+            targets = self._targets(reg.consumer_tp)
+        except LayoutError as exc:  # e.g. a TP that does not divide the heads
+            return str(exc)
+        if reg.consumer_rank not in targets:
+            return f"consumer rank {reg.consumer_rank} of tp {reg.consumer_tp} shares no heads with ours"
+        return ""
+
+    def _targets(self, consumer_tp: int) -> set[int]:
+        return set(overlapping_ranks(self.total_heads, self.rank, self.tp_size, consumer_tp))
+
+    def _fail(self, reg: Registration, reason: str) -> SendFailure:
+        """A Failure for `reg`: verified when our prefill named its key and its consumer engine."""
+        key = (reg.request_id, reg.attempt)
+        return SendFailure(reg, reason, verified=self.named.get(key) == reg.consumer_engine)
+
     def _accept(self, key: Key, reg: Registration, now: float, deadline: float) -> list[Action]:
+        """`reg` passed registration()'s checks (`_unwritable`): this cannot raise."""
         entry = self.finished[key]
         if reg.consumer_engine != entry.consumer_engine:
             return [
@@ -243,21 +309,30 @@ class ProducerCore:
                     "token_mismatch",
                     f"{key}: consumer wants {reg.num_tokens} tokens, prefill has {entry.num_tokens}",
                 ),
-                SendFailure(reg, "token_mismatch"),
+                self._fail(reg, "token_mismatch"),
             ]
-        targets = set(overlapping_ranks(self.total_heads, self.rank, self.tp_size, reg.consumer_tp))
-        if reg.consumer_rank not in targets:
-            return [Reject("unexpected_rank", f"{key}: consumer rank {reg.consumer_rank} shares no heads")]
-        entry.targets = entry.targets or targets
+        if reg.tokens_digest != self._digest(entry, reg.num_tokens):  # same count, other tokens
+            return [
+                Reject("token_mismatch", f"{key}: the consumer's first {reg.num_tokens} prompt tokens "
+                       "are not the prefill's (tokenizer, chat template?)"),
+                self._fail(reg, "token_mismatch"),
+            ]  # fmt: skip
         if reg.consumer_rank in entry.regs:
             return [Reject("duplicate", f"second registration for {key} rank {reg.consumer_rank}")]
+        entry.targets = entry.targets or self._targets(reg.consumer_tp)
         if entry.failed or now >= deadline:  # past the deadline its blocks may hold another request
             entry.failed = True  # (not in entry.regs: _maybe_release must not fail it a second time)
             why = "transfer_failed" if now < deadline else "deadline"
-            return [SendFailure(reg, why)] + self._maybe_release(key, now)
+            return [self._fail(reg, why)] + self._maybe_release(key, now)
         entry.regs[reg.consumer_rank] = reg
         entry.inflight.add(reg.consumer_rank)
         return [StartWrite(key, reg, entry.block_ids, entry.num_tokens, now - entry.since, deadline)]
+
+    @staticmethod
+    def _digest(entry: _Finished, num_tokens: int) -> str:
+        if num_tokens not in entry.digests:
+            entry.digests[num_tokens] = tokens_digest(entry.token_ids, num_tokens)
+        return entry.digests[num_tokens]
 
     def _maybe_release(self, key: Key, now: float) -> list[Action]:
         entry = self.finished[key]
@@ -267,15 +342,47 @@ class ProducerCore:
             return [self._end(key, "sent")]
         if entry.failed:
             out: list[Action] = [
-                SendFailure(r, "transfer_failed") for n, r in entry.regs.items() if n not in entry.done
+                self._fail(r, "transfer_failed") for n, r in entry.regs.items() if n not in entry.done
             ]
             return out + [self._end(key, "failed")]
         return []
 
+    def _hold(self, key: Key, entry: _Finished) -> None:
+        self.finished[key] = entry
+        self._finished_of.setdefault(key[0], {})[key] = None
+
     def _end(self, key: Key, reason: str) -> Release:
-        self.finished.pop(key, None)
+        if self.finished.pop(key, None) is not None:
+            keys = self._finished_of[key[0]]
+            del keys[key]
+            if not keys:
+                del self._finished_of[key[0]]
         self._mark_ended(key, reason)
         return Release(key, reason)
+
+    def _park(self, slot: Slot, value: tuple[Registration, float, float]) -> None:
+        self.parked[slot] = value
+        self._parked_of.setdefault(slot[0][0], {}).setdefault(slot[0][1], {})[slot] = None
+
+    def _unpark(self, slot: Slot) -> tuple[Registration, float, float]:
+        value = self.parked.pop(slot)
+        (rid, attempt), attempts = slot[0], self._parked_of[slot[0][0]]
+        del attempts[attempt][slot]
+        if not attempts[attempt]:
+            del attempts[attempt]
+            if not attempts:
+                del self._parked_of[rid]
+        return value
+
+    def _slots(self, key: Key) -> list[Slot]:
+        """The parked slots of `key`, in arrival order (at most MAX_SLOTS_PER_KEY)."""
+        return list(self._parked_of.get(key[0], {}).get(key[1], ()))
+
+    def _name(self, key: Key, consumer_engine: str) -> None:
+        self.named[key] = consumer_engine
+        self.named.move_to_end(key)
+        while len(self.named) > self.limits.max_entries:
+            self.named.popitem(last=False)
 
     def _mark_ended(self, key: Key, reason: str) -> None:
         self.ended[key] = reason
@@ -297,18 +404,17 @@ class ProducerCore:
         """A newer attempt releases everything an older attempt of the same request still holds."""
         self._note_attempt(key)
         out: list[Action] = []
-        for old in [k for k in self.finished if k[0] == key[0] and k[1] < key[1]]:
+        for old in [k for k in self._finished_of.get(key[0], ()) if k[1] < key[1]]:
             entry = self.finished[old]
             if entry.inflight:
                 entry.failed, entry.expires = True, now  # released when its WRITE completes
                 continue
-            out += [SendFailure(r, "superseded") for n, r in entry.regs.items() if n not in entry.done]
+            out += [self._fail(r, "superseded") for n, r in entry.regs.items() if n not in entry.done]
             out.append(self._end(old, "superseded"))
-        for slot, (reg, _, _) in list(self.parked.items()):
-            old = slot[0]
-            if old[0] == key[0] and old[1] < key[1]:
-                del self.parked[slot]
-                out.append(SendFailure(reg, "superseded"))
+        older = self._parked_of.get(key[0], {})
+        for slot in [s for attempt in list(older) if attempt < key[1] for s in older[attempt]]:
+            reg, _, _ = self._unpark(slot)
+            out.append(self._fail(reg, "superseded"))
         return out
 
     def _evict_if_full_finished(self, now: float) -> list[Action]:
@@ -320,9 +426,7 @@ class ProducerCore:
                 out += [Reject("overflow", f"finished blocks full; released {key}")]
                 entry = self.finished[key]  # ranks already sent their KV got their Done: no Failure
                 out += [
-                    SendFailure(r, "producer_overloaded")
-                    for n, r in entry.regs.items()
-                    if n not in entry.done
+                    self._fail(r, "producer_overloaded") for n, r in entry.regs.items() if n not in entry.done
                 ]
                 out.append(self._end(key, "overflow"))
         return out
@@ -342,27 +446,35 @@ class _Expected:
 
 
 class ConsumerCore:
-    """Completion counting on one consumer TP rank."""
+    """Completion counting on one consumer TP rank. As for the producer: validate first, mutate
+    last; every input costs O(1) in the size of the maps (a flood of notices is cheap to drop)."""
 
     def __init__(self, *, total_heads: int, rank: int, tp_size: int, limits: Limits = Limits()) -> None:
         self.total_heads, self.rank, self.tp_size, self.limits = total_heads, rank, tp_size, limits
         self.expected: dict[Key, _Expected] = {}
-        self.early: OrderedDict[Key, list[tuple[Done | Failure, float]]] = OrderedDict()
+        # key -> {(producer engine, rank): (notice, arrived)}; keys in arrival order of their first
+        self.early: OrderedDict[Key, dict[tuple[str, int], tuple[Done | Failure, float]]] = OrderedDict()
+        self.early_notices = 0  # notices in `early`, all keys together
 
     def expect(
         self, key: Key, producer_engine: str, producer_tp: int, deadline_s: float, now: float
     ) -> list[Action]:
         if key in self.expected:
             return [Reject("duplicate", f"{key} expected twice")]
+        try:
+            ranks = overlapping_ranks(self.total_heads, self.rank, self.tp_size, producer_tp)
+        except LayoutError as exc:  # the request's params name a producer TP we cannot pair with
+            return [Reject("malformed", f"{key}: producer tp {producer_tp}: {exc}"), Failed(key, "malformed")]
         if len(self.expected) >= self.limits.max_entries:
             return [
                 Reject("overflow", f"too many pending receives; failing {key}"),
                 Failed(key, "overloaded"),
             ]
-        ranks = overlapping_ranks(self.total_heads, self.rank, self.tp_size, producer_tp)
         self.expected[key] = _Expected(producer_engine, frozenset(ranks), now, now + deadline_s)
         out: list[Action] = [Register(key, tuple(ranks))]
-        for notice, _ in self.early.pop(key, []):
+        buffered = self.early.pop(key, {})
+        self.early_notices -= len(buffered)
+        for notice, _ in buffered.values():
             out += self.notice(notice, now)
         return out
 
@@ -370,17 +482,7 @@ class ConsumerCore:
         key = (msg.request_id, msg.attempt)
         entry = self.expected.get(key)
         if entry is None:
-            buffered = self.early.setdefault(key, [])
-            sender = (msg.producer_engine, msg.producer_rank)
-            if any((n.producer_engine, n.producer_rank) == sender for n, _ in buffered):
-                # Only a sender's first notice counts when replayed; keeping copies would let a
-                # repeating peer grow this list without bound until the TTL.
-                return [Reject("duplicate", f"{key}: second early notice from {sender}")]
-            buffered.append((msg, now))
-            if len(self.early) > self.limits.max_entries:
-                dropped, _ = self.early.popitem(last=False)
-                return [Reject("overflow", f"early notices full; dropped {dropped}")]
-            return []
+            return self._buffer(key, msg, now)
         if msg.producer_engine != entry.producer_engine:
             return [
                 Reject(
@@ -397,6 +499,27 @@ class ConsumerCore:
         else:
             entry.failures[msg.producer_rank] = msg.reason
         return self._settle(key, now)
+
+    def _buffer(self, key: Key, msg: Done | Failure, now: float) -> list[Action]:
+        """A notice before its expectation: kept once per sender, within both bounds (O(1))."""
+        sender = (msg.producer_engine, msg.producer_rank)
+        buffered = self.early.get(key)
+        if buffered is not None and sender in buffered:
+            # Only a sender's first notice counts when replayed; keeping copies would let a
+            # repeating peer grow this buffer without bound until the TTL.
+            return [Reject("duplicate", f"{key}: second early notice from {sender}")]
+        if buffered is not None and len(buffered) >= self.limits.max_notices_per_key:
+            return [Reject("overflow", f"{key}: {len(buffered)} early notices already; dropped {sender}")]
+        if buffered is None:
+            buffered = self.early[key] = {}
+        buffered[sender] = (msg, now)
+        self.early_notices += 1
+        out: list[Action] = []
+        while len(self.early) > self.limits.max_entries or self.early_notices > self.limits.max_early_notices:
+            dropped, notices = self.early.popitem(last=False)
+            self.early_notices -= len(notices)
+            out.append(Reject("overflow", f"early notices full; dropped {dropped}"))
+        return out
 
     def abort(self, key: Key, now: float) -> list[Action]:
         """The consumer's request ended early: cancel outstanding ranks, keep waiting (bounded) for
@@ -420,10 +543,14 @@ class ConsumerCore:
                 # Outstanding ranks remain (else it settled): stop them, then wait for their answers.
                 out += [SendCancel(key, self._outstanding(entry))] if not entry.cancelled else []
                 entry.quarantine_until = now + self.limits.grace_s
-        for key, notices in list(self.early.items()):
-            if now - notices[0][1] >= self.limits.early_notice_ttl_s:
-                del self.early[key]
-                out.append(Reject("unknown_request", f"notices for {key} never matched a receive"))
+        # Keys are in arrival order of their first notice: the expired ones are a prefix.
+        while self.early:
+            key, notices = next(iter(self.early.items()))
+            if now - next(iter(notices.values()))[1] < self.limits.early_notice_ttl_s:
+                break
+            del self.early[key]
+            self.early_notices -= len(notices)
+            out.append(Reject("unknown_request", f"notices for {key} never matched a receive"))
         return out
 
     def pending(self) -> dict[str, int]:

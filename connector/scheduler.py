@@ -73,6 +73,7 @@ class Expect:
     block_ids: list[list[int]]  # all of the request's blocks, from token 0
     num_tokens: int
     first_token: int = 0  # D already holds the tokens before it (its own prefix-cache hit)
+    token_ids: list[int] | None = None  # the first num_tokens prompt tokens (identity.py digests them)
 
 
 @dataclass
@@ -81,6 +82,13 @@ class Finished:
     params: ProducerParams
     block_ids: list[list[int]]
     num_tokens: int
+    token_ids: list[int] | None = None  # the prompt's first num_tokens, for decode's digest to match
+
+
+def prompt_ids(request: Request, num_tokens: int) -> list[int] | None:
+    """The first `num_tokens` prompt token ids (None for a prompt given as embeddings)."""
+    ids = request.prompt_token_ids
+    return None if ids is None else list(ids[:num_tokens])
 
 
 @dataclass
@@ -176,7 +184,10 @@ class KvferryScheduler:
         block_ids = with_holes(blocks.get_block_ids())
         # vLLM sets request.num_computed_tokens only after this call: the hit is what it asked us with.
         num_tokens = hit + num_external_tokens
-        self._step.expects.append(Expect(request.request_id, params, block_ids, num_tokens, hit))
+        expect = Expect(
+            request.request_id, params, block_ids, num_tokens, hit, prompt_ids(request, num_tokens)
+        )
+        self._step.expects.append(expect)
 
     # ---- producer: early hand-off ----
     def _early_candidate(self, request: Request) -> bool:
@@ -205,7 +216,7 @@ class KvferryScheduler:
                 continue  # request_finished reports it
             if not self._claim((params.request_id, params.attempt), req_id):
                 continue  # request_finished refuses it
-            out.append(Finished(req_id, params, block_ids, num_tokens))
+            out.append(Finished(req_id, params, block_ids, num_tokens, prompt_ids(request, num_tokens)))
             self._early[req_id] = params
         self._candidates.clear()
         return out
@@ -248,7 +259,10 @@ class KvferryScheduler:
             self._step.aborted.append((params.request_id, params.attempt))  # consumers fail fast
             return False, None
         num_tokens = len(request.prompt_token_ids or ())
-        self._step.finished.append(Finished(request.request_id, params, with_holes(block_ids), num_tokens))
+        ids = prompt_ids(request, num_tokens)
+        self._step.finished.append(
+            Finished(request.request_id, params, with_holes(block_ids), num_tokens, ids)
+        )
         return self._hold(request.request_id, params)
 
     def _hold(self, req_id: str, params: ProducerParams) -> tuple[bool, dict]:

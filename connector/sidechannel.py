@@ -11,9 +11,14 @@ and the encoded PeerInfo, then closes.
 Bounds (the port is reachable by anything in the pod network): one selector thread serves all
 clients at once with non-blocking sockets, so no client can hold up another's handshake; each
 connection gets `deadline_s` for the whole exchange (not per read, so trickling bytes does not
-extend it); at most `max_clients` are open, further ones are closed as soon as they are accepted.
-Client misbehaviour is counted in `stats` and logged rate-limited. `fetch_peer` bounds a whole
-attempt by `timeout_s` the same way, so a hostile peer cannot stall the engine's handshake either.
+extend it) and `request_s` of it to send its 4-byte request. At most `max_clients` are open, and
+`max_per_host` from one host: a connection over either bound makes room by closing the oldest idle
+one (request not complete) of its own host, or of the host holding the most, so a flood of idle
+connections from one pod evicts only its own, never an honest peer's handshake (which sends its
+request at once); with no idle one to close, the newcomer is closed. Client misbehaviour is
+counted in `stats` and logged rate-limited. `fetch_peer` bounds a whole attempt by `timeout_s` the
+same way and reads at most what a real PeerInfo can need (wire.MAX_PEER_INFO), so a hostile peer
+cannot stall or flood the engine's handshake either.
 """
 
 from __future__ import annotations
@@ -29,11 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvferry.connector.ratelimit import RateLimitedLog
-from kvferry.connector.wire import PeerInfo, WireError, decode
+from kvferry.connector.wire import MAX_PEER_INFO, PeerInfo, WireError, decode
 
 log = logging.getLogger(__name__)
 REQUEST = b"KVF?"
-MAX_PAYLOAD = 64 << 20
+MAX_PAYLOAD = MAX_PEER_INFO  # computed from the wire's bounds (~4.5 MiB), not a round guess
 _BACKLOG = 128
 _ACCEPT_BATCH = 64  # per wake-up, so a connect flood cannot starve clients already being served
 _ACCEPT_PAUSE_S = 0.1  # after accept() fails (EMFILE...): the listener stays readable, do not spin
@@ -51,7 +56,8 @@ class SideChannelStats:
     """Connection outcomes since start; written by the server thread only."""
 
     served: int = 0
-    refused: int = 0  # over max_clients: closed right after accept
+    refused: int = 0  # over max_clients or max_per_host with no idle client to evict: closed at once
+    evicted: int = 0  # idle (request not complete) and closed to make room for a newer connection
     bad_request: int = 0  # sent something other than REQUEST: closed without an answer
     timed_out: int = 0  # exchange not finished within deadline_s
     dropped: int = 0  # closed or reset by the client, or a socket error, before the answer was out
@@ -62,7 +68,9 @@ class _Client:
     sock: socket.socket
     fd: int
     peer: str
+    host: str
     deadline: float
+    request_by: float  # the request must be complete by then
     got: bytearray = field(default_factory=bytearray)
     out: memoryview | None = None  # answer still to send, once the request is complete
 
@@ -77,14 +85,19 @@ class SideChannelServer:
         payload: bytes,
         *,
         max_clients: int = 64,
+        max_per_host: int = 16,
         deadline_s: float = 2.0,
+        request_s: float = 1.0,
         on_contact: Callable[[], None] | None = None,
     ) -> None:
         """`on_contact` runs (on the server thread) for every accepted connection: a peer fetching our
-        metadata is about to connect through NIXL, which needs our agent's progress to complete."""
-        if max_clients < 1 or deadline_s <= 0:
-            raise ValueError("max_clients must be >= 1 and deadline_s > 0")
-        self.max_clients, self.deadline_s = max_clients, deadline_s
+        metadata is about to connect through NIXL, which needs our agent's progress to complete.
+        `max_per_host`: a TP engine's ranks fetch at once from one pod IP, with retries."""
+        if max_clients < 1 or max_per_host < 1 or deadline_s <= 0 or request_s <= 0:
+            raise ValueError("max_clients, max_per_host must be >= 1; deadline_s, request_s > 0")
+        self.max_clients, self.max_per_host, self.deadline_s = max_clients, max_per_host, deadline_s
+        self.request_s = min(request_s, deadline_s)
+        self._of_host: dict[str, dict[int, None]] = {}  # host -> its clients' fds, oldest first
         self._on_contact = on_contact
         self.stats = SideChannelStats()
         self._payload = struct.pack(">I", len(payload)) + payload
@@ -145,7 +158,10 @@ class SideChannelServer:
         self._limited.flush()
 
     def _sleep_s(self, now: float) -> float:
-        wake = [now + _TICK_S, *(c.deadline for c in self._clients.values())]
+        wake = [
+            now + _TICK_S,
+            *(c.request_by if c.out is None else c.deadline for c in self._clients.values()),
+        ]
         if self._accept_paused_until is not None:
             wake.append(self._accept_paused_until)
         return max(0.0, min(wake) - now)
@@ -159,18 +175,40 @@ class SideChannelServer:
             except OSError as exc:  # out of descriptors or buffers
                 self._pause_accept(exc)
                 return
-            peer = f"{addr[0]}:{addr[1]}"
-            if len(self._clients) >= self.max_clients:
+            host, peer = addr[0], f"{addr[0]}:{addr[1]}"
+            if not self._make_room(host):
                 self.stats.refused += 1
                 conn.close()
-                self._warn("refused", "%s: %d clients already open, refused %s", self.max_clients, peer)
+                self._warn(
+                    "refused", "%s: %d clients busy being answered, refused %s", len(self._clients), peer
+                )
                 continue
             conn.setblocking(False)
             if self._on_contact is not None:
                 self._on_contact()
-            client = _Client(conn, conn.fileno(), peer, time.monotonic() + self.deadline_s)
+            now = time.monotonic()
+            client = _Client(conn, conn.fileno(), peer, host, now + self.deadline_s, now + self.request_s)
             self._clients[client.fd] = client
+            self._of_host.setdefault(host, {})[client.fd] = None
             self._sel.register(conn, selectors.EVENT_READ, client)
+
+    def _make_room(self, host: str) -> bool:
+        """Room for one more connection from `host`: evict the oldest idle client of `host` when it is
+        at max_per_host, or of the host holding the most when all are taken; False if none is idle."""
+        mine = self._of_host.get(host, {})
+        if len(mine) >= self.max_per_host:
+            victims = mine
+        elif len(self._clients) >= self.max_clients:
+            victims = max(self._of_host.values(), key=len)
+        else:
+            return True
+        idle = next((self._clients[fd] for fd in victims if self._clients[fd].out is None), None)
+        if idle is None:
+            return False
+        self.stats.evicted += 1
+        self._close(idle)
+        self._warn("evicted", "%s: closed idle client %s to make room", idle.peer)
+        return True
 
     def _pause_accept(self, exc: OSError) -> None:
         self._warn("accept", "%s: accept failed, pausing %.1fs: %s", _ACCEPT_PAUSE_S, exc)
@@ -216,7 +254,8 @@ class SideChannelServer:
             self._close(c)
 
     def _expire(self, now: float) -> None:
-        for c in [c for c in self._clients.values() if now >= c.deadline]:
+        late = [c for c in self._clients.values() if now >= (c.request_by if c.out is None else c.deadline)]
+        for c in late:
             self.stats.timed_out += 1
             self._close(c)
             stage = "request" if c.out is None else "answer"
@@ -234,6 +273,10 @@ class SideChannelServer:
     def _close(self, c: _Client) -> None:
         if self._clients.pop(c.fd, None) is not None:
             self._sel.unregister(c.sock)
+            mine = self._of_host[c.host]
+            del mine[c.fd]
+            if not mine:
+                del self._of_host[c.host]
         c.sock.close()
 
     def _shutdown(self) -> None:

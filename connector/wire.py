@@ -24,7 +24,12 @@ PROTOCOL_VERSION history (bump on any change to a message below; peers must be e
      in the fingerprint; a Registration's block id may be -1 (a block vLLM left as its null block,
      out of the window), never written. Done carries `sample`: a digest of a few tokens' KV as the
      producer sent them, which the consumer checks against its own blocks (sentinel.py); "" when the
-     producer did not sample this one.
+     producer did not sample this one. Registration carries `tokens_digest` (of the consumer's first
+     num_tokens prompt token ids) and `model_digest` (of its model, revision, dtype, quantization and
+     tokenizer; connector/identity.py): the producer refuses a mismatch (`token_mismatch`,
+     `model_mismatch`). Bounds: a message's numbers are capped (MAX_* below) and a PeerInfo is at
+     most MAX_PEER_INFO bytes, so a hostile peer's layout is refused by name before anything is
+     allocated for it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,29 @@ MAGIC = b"KVF" + bytes([PROTOCOL_VERSION])  # a mismatched peer fails on the fir
 Count = Annotated[int, msgspec.Meta(ge=0)]  # every count, rank and port on the wire
 BlockId = Annotated[int, msgspec.Meta(ge=-1)]  # -1: no block (mapping.HOLE)
 
+# Bounds of a peer's layout, each far above any model vLLM serves, checked before anything is built
+# from it: the layout's offset tables are planes x heads x block_size x head_dim integers, so a
+# PeerInfo claiming 10^4 heads would otherwise allocate gigabytes on the endpoint thread.
+MAX_HEADS = 1024  # KV heads of a model (MHA models have 32 to 128)
+MAX_BLOCK_SIZE = 8192  # tokens per kernel block (vLLM: 16 to a few hundred; hybrid models more)
+MAX_HEAD_DIM = 4096  # elements per head (MLA's latent is 576)
+MAX_PLANES = 2  # K and V (1 for a latent cache)
+MAX_REGIONS = 8192  # layers x KV groups (one per layer, or one for a cross-layer layout)
+MAX_GROUPS = 256  # KV cache groups (windows)
+MAX_ELEM_BYTES = 16
+MAX_BLOCK_ELEMENTS = 1 << 22  # planes x heads x block_size x head_dim of one rank's block (32 MiB of offsets)
+MAX_NAME = 1024  # engine ids, agent names, incarnations, layout kinds and dtypes, fingerprints
+MAX_AGENT_METADATA = 4 << 20  # NIXL agent metadata: ~50 bytes a region with UCX (measured), rkeys more
+# The largest PeerInfo those bounds allow (msgpack: an int is at most 9 bytes, a string 5 + its
+# length), so the side channel never reads more than a real peer can need.
+MAX_PEER_INFO = (
+    MAX_AGENT_METADATA
+    + 9 * MAX_PLANES * (1 + MAX_BLOCK_SIZE + MAX_HEAD_DIM) + 27 * MAX_REGIONS + 9 * MAX_GROUPS
+    + 32 * (5 + MAX_NAME) + 4096  # strings, field names and headers
+)  # fmt: skip
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+Int = Annotated[int, msgspec.Meta(ge=0)]  # addresses, offsets, strides
+
 
 class WireError(ValueError):
     """A message that cannot be decoded; the message names the bad field."""
@@ -56,14 +84,14 @@ class _Message(msgspec.Struct, frozen=True, tag_field="t", forbid_unknown_fields
 class PeerInfo(_Message, tag="peer", frozen=True):
     """What an engine rank's side channel serves: how to reach its NIXL agent and its KV layout."""
 
-    engine_id: str
-    agent_name: str
-    agent_metadata: bytes
-    tp_rank: Count
-    tp_size: Count
-    incarnation: str  # changes on restart, so a cached peer with the same engine_id is reloaded
+    engine_id: Name
+    agent_name: Name
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA)]
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_HEADS)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_HEADS)]
+    incarnation: Name  # changes on restart, so a cached peer with the same engine_id is reloaded
     layout: dict[str, Any]  # layout_to_wire(); checked by layout_from_wire
-    layout_fingerprint: str  # KVLayout.fingerprint of `layout`, checked when it is decoded
+    layout_fingerprint: Name  # KVLayout.fingerprint of `layout`, checked when it is decoded
 
 
 class Registration(_Message, tag="reg", frozen=True):
@@ -83,6 +111,8 @@ class Registration(_Message, tag="reg", frozen=True):
     layout_fingerprint: str = ""  # the consumer rank's layout these block ids address
     deadline_unix: float = 0.0  # the consumer's deadline (time.time()); no WRITE may start after it
     first_token: Count = 0  # the consumer holds tokens before it; block_ids[g][0] holds this token
+    tokens_digest: str = ""  # identity.tokens_digest of the consumer's first num_tokens prompt tokens
+    model_digest: str = ""  # identity.model_digest of the consumer's weights and tokenizer
 
 
 class Done(_Message, tag="done", frozen=True):
@@ -202,24 +232,38 @@ def _named(exc: msgspec.ValidationError, root: str) -> WireError:
     return WireError(f"{where}: {what}")
 
 
-class _Layout(msgspec.Struct):
-    """KVLayout as layout_to_wire writes it; unknown keys are ignored (the fingerprint covers meaning)."""
+# The layout's numbers (Meta bounds name the field and bound in the error)
+Heads = Annotated[int, msgspec.Meta(ge=1, le=MAX_HEADS)]
+HeadIndex = Annotated[int, msgspec.Meta(ge=0, le=MAX_HEADS)]
+BlockSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
+HeadDim = Annotated[int, msgspec.Meta(ge=1, le=MAX_HEAD_DIM)]
+ElemBytes = Annotated[int, msgspec.Meta(ge=1, le=MAX_ELEM_BYTES)]
+Group = Annotated[int, msgspec.Meta(ge=0, lt=MAX_GROUPS)]
+TokenTable = Annotated[list[Int], msgspec.Meta(max_length=MAX_BLOCK_SIZE)]
+DimTable = Annotated[list[Int], msgspec.Meta(max_length=MAX_HEAD_DIM)]
 
-    kind: str
-    dtype: str
-    block_size: int
-    num_heads: int
-    head_offset: int
-    total_heads: int
-    head_dim: int
-    elem_bytes: int
-    head_stride: int
-    block_stride: int
-    memory: str
-    device_id: int
-    planes: list[tuple[int, list[int], list[int]]]  # [offset, token offsets, dim offsets]
-    regions: list[tuple[int, int, int]]  # [base, num_blocks, group]
-    windows: list[int]  # per KV group, its sliding window (0: full attention)
+
+class _Layout(msgspec.Struct):
+    """KVLayout as layout_to_wire writes it, every number bounded (MAX_*); unknown keys are ignored
+    (the fingerprint covers meaning)."""
+
+    kind: Name
+    dtype: Name
+    block_size: BlockSize
+    num_heads: Heads
+    head_offset: HeadIndex
+    total_heads: Heads
+    head_dim: HeadDim
+    elem_bytes: ElemBytes
+    head_stride: Int
+    block_stride: Int
+    memory: Name
+    device_id: HeadIndex
+    # [offset, token offsets, dim offsets]
+    planes: Annotated[list[tuple[Int, TokenTable, DimTable]], msgspec.Meta(max_length=MAX_PLANES)]
+    # [base, num_blocks, group]
+    regions: Annotated[list[tuple[Int, Int, Group]], msgspec.Meta(max_length=MAX_REGIONS)]
+    windows: Annotated[list[Int], msgspec.Meta(max_length=MAX_GROUPS)]  # per KV group (0: full attention)
 
 
 _LAYOUT_SCALARS = [name for name in _Layout.__struct_fields__ if name not in ("planes", "regions", "windows")]
@@ -241,6 +285,12 @@ def layout_from_wire(body: dict[str, Any], fingerprint: str | None = None) -> KV
         wire = msgspec.convert(body, _Layout)
     except msgspec.ValidationError as exc:
         raise _named(exc, _LAYOUT_PREFIX) from None
+    elements = len(wire.planes) * wire.num_heads * wire.block_size * wire.head_dim
+    if elements > MAX_BLOCK_ELEMENTS:  # before KVLayout builds (and sorts) that many offsets
+        raise WireError(
+            f"{_LAYOUT_PREFIX}: {len(wire.planes)} planes x {wire.num_heads} heads x {wire.block_size} "
+            f"tokens x {wire.head_dim} dims = {elements} elements a block, more than {MAX_BLOCK_ELEMENTS}"
+        )
     try:
         layout = KVLayout(
             **{n: getattr(wire, n) for n in _LAYOUT_SCALARS},

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvferry.connector.config import KvferryConfig
 from kvferry.connector.endpoint import Endpoint, Key
+from kvferry.connector.identity import model_digest
 from kvferry.connector.kvcache import describe_kv_caches, read_elements
 from kvferry.connector.layout import KVLayout
 from kvferry.connector.mapping import HOLE, missing_block
@@ -31,6 +32,28 @@ log = logging.getLogger(__name__)
 # consumer_rounds: step: how long a step waits for the round it asked for (a round takes well under
 # 1 ms; a slower one's results come at the next step instead of holding this one)
 STEP_ROUND_WAIT_S = 0.002
+
+
+# What decides the weights and the tokenizer (vLLM's ModelConfig): P and D must agree on each
+# (per-role extra args are outside the operator's revision). Not max_model_len, seed, names, tokens.
+IDENTITY_FIELDS = (
+    "model", "model_weights", "revision", "code_revision", "tokenizer", "tokenizer_revision",
+    "tokenizer_mode", "dtype", "quantization", "hf_overrides", "model_impl",
+)  # fmt: skip
+
+
+def model_identity(vllm_config: Any) -> dict[str, str]:
+    """The IDENTITY_FIELDS of `vllm_config`, as stable strings (a callable override by its name)."""
+    import json
+
+    model = vllm_config.model_config
+    out = {}
+    for name in IDENTITY_FIELDS:
+        value = getattr(model, name, None)
+        if callable(value) and not isinstance(value, type):
+            value = f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
+        out[name] = json.dumps(value, sort_keys=True, default=str)
+    return out
 
 
 def _record_event() -> Any:
@@ -107,6 +130,7 @@ class KvferryWorker:
             tp_size=self.tp_size,
             layout=self._stage.rebase(layout) if self._stage else layout,
             metrics=self.metrics,
+            model_digest=model_digest(model_identity(self.vllm_config)),
         ).start()
         log.info(
             "kvferry %s rank %d: KV layout %s%s; side channel %s:%d",
@@ -174,6 +198,7 @@ class KvferryWorker:
                 num_tokens=e.num_tokens,
                 deadline_s=p.deadline_s,
                 first_token=e.first_token,
+                token_ids=e.token_ids,
             )
         self._failed_now += meta.invalid
         for f in meta.finished:
@@ -208,7 +233,9 @@ class KvferryWorker:
         self._req_of[(p.request_id, p.attempt)] = f.req_id
         if self.cfg.kv_dump_dir:
             self._dump((p.request_id, p.attempt), blocks, f.num_tokens)
-        self.endpoint.prefill_finished(p.request_id, p.attempt, blocks, f.num_tokens, p.consumer_engine)
+        self.endpoint.prefill_finished(
+            p.request_id, p.attempt, blocks, f.num_tokens, p.consumer_engine, f.token_ids
+        )
 
     def _claim(self, key: Key, req_id: str) -> bool:
         """The scheduler refuses duplicate keys; this catches one still held here (e.g. a receive in

@@ -16,7 +16,7 @@ from kvferry.connector.wire import Cancel, Done, Failure, Registration, WireErro
 
 def registration(engine="decode-0", revision="r1", deadline=None):
     deadline = time.time() + 30 if deadline is None else deadline
-    return Registration("q", 0, engine, 0, 1, "127.0.0.1", 5601, "i", 40, [[1]], revision, "fp", deadline)
+    return Registration("q", 0, engine, 0, 1, "127.0.0.1", 5601, "a", 40, [[1]], revision, "fp", deadline)
 
 
 def reason(result):
@@ -25,7 +25,9 @@ def reason(result):
 
 def test_a_message_from_the_engine_it_claims_and_of_our_revision_is_admitted():
     msg = registration()
-    assert admit(encode(msg), "decode-0/0/abcd", "producer", "r1") == msg
+    assert admit(encode(msg), "decode-0/0/a", "producer", "r1") == msg
+    done = Done("q", 0, "prefill/x", 3, "r1")  # an engine id may hold a slash
+    assert admit(encode(done), "prefill/x/3/b", "consumer", "r1") == done
 
 
 @pytest.mark.parametrize(
@@ -38,6 +40,15 @@ def test_a_message_from_the_engine_it_claims_and_of_our_revision_is_admitted():
         (encode(Cancel("q", 0, "decode-0", 0, "r0")), "decode-0/0/a", "producer", "wrong_revision"),
         (encode(Done("q", 0, "prefill-0", 0, "r1")), "prefill-0/0/a", "producer", "unexpected_message"),
         (encode(registration(deadline=0.0)), "decode-0/0/a", "producer", "malformed"),
+        # a rank speaks only for itself: the rank in the message is the one in the agent name
+        (encode(Done("q", 0, "prefill-0", 1, "r1")), "prefill-0/0/a", "consumer", "unexpected_rank"),
+        (encode(Failure("q", 0, "prefill-0", 0, "x", "r1")), "prefill-0/2/a", "consumer", "unexpected_rank"),
+        (encode(Cancel("q", 0, "decode-0", 1, "r1")), "decode-0/0/a", "producer", "unexpected_rank"),
+        (encode(registration()), "decode-0/1/a", "producer", "unexpected_rank"),
+        # a registration names the side channel of the agent that sent it (its incarnation)
+        (encode(registration()), "decode-0/0/other", "producer", "unexpected_engine"),
+        (encode(registration()), "decode-0", "producer", "unexpected_engine"),  # not an agent name
+        (encode(registration()), "decode-0/x/a", "producer", "unexpected_engine"),
     ],
     ids=[
         "garbage",
@@ -47,6 +58,13 @@ def test_a_message_from_the_engine_it_claims_and_of_our_revision_is_admitted():
         "cancel-revision",
         "wrong-role",
         "no-deadline",
+        "done-other-rank",
+        "failure-other-rank",
+        "cancel-other-rank",
+        "registration-other-rank",
+        "registration-other-incarnation",
+        "no-agent-name",
+        "agent-rank-not-a-number",
     ],
 )
 def test_untrusted_input_is_refused_with_a_reason(raw, sender, role, why):

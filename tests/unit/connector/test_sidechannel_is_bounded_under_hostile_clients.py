@@ -13,7 +13,13 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import pytest
-from kvferry.connector.sidechannel import REQUEST, SideChannelError, SideChannelServer, fetch_peer
+from kvferry.connector.sidechannel import (
+    MAX_PAYLOAD,
+    REQUEST,
+    SideChannelError,
+    SideChannelServer,
+    fetch_peer,
+)
 from kvferry.connector.wire import PeerInfo, encode, layout_to_wire
 from kvferry.tools.hostkv import synthetic_layout
 
@@ -57,7 +63,7 @@ def read_until_closed(conn: socket.socket) -> bytes:
 
 def test_fetch_succeeds_quickly_while_idle_clients_hold_connections():
     info = peer_info()
-    with serving(info) as server, ExitStack() as idle:
+    with serving(info, max_per_host=32, request_s=2.0) as server, ExitStack() as idle:
         for _ in range(20):  # connect and never send: the old server gave each one 2 s in turn
             idle.enter_context(connect(server))
         wait_until(lambda: server.active, "20 idle clients accepted", 5, 0.01, until=lambda n: n == 20)
@@ -121,7 +127,7 @@ def test_slow_but_honest_client_within_the_deadline_is_served():
 def test_many_concurrent_fetches_all_get_the_exact_payload():
     info = peer_info(metadata_bytes=1 << 20)  # larger than a socket buffer: partial sends happen
     results: list[PeerInfo | Exception] = []
-    with serving(info) as server:
+    with serving(info, max_per_host=64) as server:  # 40 at once from one host: none evicted
 
         def fetch() -> None:
             try:
@@ -139,22 +145,57 @@ def test_many_concurrent_fetches_all_get_the_exact_payload():
         wait_until(lambda: server.stats.served, "served == 40", 5, 0.01, until=lambda n: n == 40)
 
 
-def test_connections_beyond_the_cap_are_closed_at_once_and_counted():
+def test_a_flood_of_idle_connections_evicts_its_own_not_the_handshake():
+    # was: at max_clients every newcomer was refused, so idle connections refused real handshakes
     info = peer_info()
-    with serving(info, max_clients=4) as server, ExitStack() as idle:
-        for _ in range(4):
+    with serving(info, max_per_host=4, deadline_s=10.0, request_s=10.0) as server, ExitStack() as idle:
+        for _ in range(100):  # one host, far over both bounds, never sending a byte
             idle.enter_context(connect(server))
-        wait_until(lambda: server.active, "active == 4", 5, 0.01, until=lambda n: n == 4)
-        start = time.monotonic()
-        with connect(server) as extra:
-            assert read_until_closed(extra) == b""
-        with pytest.raises(SideChannelError):
-            fetch_peer("127.0.0.1", server.address[1], timeout_s=2.0)
-        assert time.monotonic() - start < 0.5  # refused, not queued behind the idle ones
-        wait_until(lambda: server.stats.refused, "refused == 2", 5, 0.01, until=lambda n: n == 2)
-        idle.close()
-        wait_until(lambda: server.active, "active == 0", 5, 0.01, until=lambda n: n == 0)
+        wait_until(lambda: server.stats.evicted, "96 evicted", 5, 0.01, until=lambda n: n == 96)
+        assert server.active == 4 and server.stats.refused == 0
+        # served within a timeout far below the idle ones' 10 s: one was evicted, nothing queued
         assert fetch_peer("127.0.0.1", server.address[1], timeout_s=2.0) == info
+
+
+def test_idle_connections_are_closed_after_request_s():
+    with serving(peer_info(), deadline_s=30.0, request_s=0.3) as server, connect(server) as conn:
+        assert read_until_closed(conn) == b""  # conn's own timeout (5 s) is far below deadline_s
+        wait_until(lambda: server.stats.timed_out, "1 timed out", 5, 0.01, until=lambda n: n == 1)
+
+
+def test_connections_beyond_the_cap_with_none_idle_are_closed_at_once_and_counted():
+    info = peer_info(metadata_bytes=3 << 20)  # far over the socket buffers: answers stay unsent
+    with serving(info, max_clients=2, deadline_s=10.0) as server, ExitStack() as busy:
+        for _ in range(2):  # a complete request, then never read: each stays busy being answered
+            conn = socket.socket()
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            conn.connect(tuple(server.address))
+            conn.sendall(REQUEST)
+            busy.enter_context(conn)
+        wait_until(lambda: server.active, "active == 2", 5, 0.01, until=lambda n: n == 2)
+        with connect(server) as extra:  # closed at once (its 5 s timeout is below deadline_s)
+            assert read_until_closed(extra) == b""
+        wait_until(lambda: server.stats.refused, "refused == 1", 5, 0.01, until=lambda n: n == 1)
+        busy.close()
+        wait_until(lambda: server.active, "active == 0", 5, 0.01, until=lambda n: n == 0)
+        assert fetch_peer("127.0.0.1", server.address[1], timeout_s=5.0) == info
+
+
+def test_an_answer_larger_than_any_real_peer_info_is_refused_unread():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def lie() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4)
+                conn.sendall((MAX_PAYLOAD + 1).to_bytes(4, "big"))
+
+        t = threading.Thread(target=lie)
+        t.start()
+        with pytest.raises(SideChannelError, match="too large"):
+            fetch_peer("127.0.0.1", listener.getsockname()[1], timeout_s=2.0)
+        t.join(5)
+    assert MAX_PAYLOAD < 8 << 20  # was 64 MiB
 
 
 def test_close_is_prompt_with_clients_connected():
