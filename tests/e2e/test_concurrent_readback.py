@@ -11,10 +11,11 @@ with `kv_dump_dir`. For every request:
   ties aside (the reference's top-2 logprobs closer than the dtype resolves).
 
 Shapes: Mistral with a window on every layer (bfloat16) and a Llama with windowed layers
-interleaved with full ones, Gemma-3's way (two KV-cache groups, float32); one full-attention shape
-for concurrency alone. With a window, prefill computes all but the prompt's last token and decode
-that one (connector/scheduler.py): the batch includes the lengths where a whole-prompt load would
-have read the first window token from vLLM's shared null block (n = window + k * block - 1).
+interleaved with full ones, Gemma-3's way (two KV-cache groups, float32); full-attention shapes get
+the same concurrent batch in test_kv_readback_matrix.py. With a window, prefill computes all but the
+prompt's last token and decode that one (connector/scheduler.py): the batch includes the lengths
+where a whole-prompt load would have read the first window token from vLLM's shared null block
+(n = window + k * block - 1).
 One case keeps decode's prefix cache on, so decode holds most of each prompt and receives the rest.
 """
 
@@ -42,9 +43,7 @@ LENGTHS = (31, 63, 64, 65, 126, 127, 128, 159, 191, 192, 255, 700, 2049)
 CHUNK_TOKENS = 512
 CASES = {  # id: (shape, prefill block, decode block, decode prefix cache)
     "mistral-w64-bf16-P64-D64": ("mistral-h8kv2d128l4w64-bf16", 64, 64, False),
-    "mistral-w64-bf16-P128-D32": ("mistral-h8kv2d128l4w64-bf16", 128, 32, False),
     "llama-w64f2-f32-P32-D64-prefix": ("llama-h4kv2d64l4w64f2-f32", 32, 64, True),
-    "qwen3-full-f32-P32-D128": ("qwen3-h8kv2d32l3-f32", 32, 128, False),
 }
 # KVFERRY_MATRIX=full: every block pair the report named, for both windowed models (~3 min a case)
 PAIRS = ((64, 64), (64, 128), (128, 64), (32, 64), (128, 128), (128, 32))

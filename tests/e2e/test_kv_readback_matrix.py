@@ -8,6 +8,8 @@ The test then checks, for every request:
 - the decode's cache blocks equal the prefill's, value by value, for every layer, plane, head, token
   and dim (nothing else counts as a correct transfer); one case stages through host memory on both
   sides (`host_staging`: device cache -> host twin -> NIXL -> host twin -> device cache);
+- the same, with every prompt of the list in flight at once (each request's KV lands in its own
+  blocks only; tests/e2e/test_concurrent_readback.py adds sliding-window models);
 - greedy outputs equal a single instance's, token for token; a parting is tolerated only where the
   reference's top-2 logprobs differ by less than the model dtype resolves (TIE: 1e-4 in float32, one
   bfloat16 step in bfloat16; P's prefill over other block sizes rounds differently), and the test
@@ -136,22 +138,34 @@ async def _pd(stack: dict, n: int) -> tuple[str, list[int]]:
     return rid, d_resp.json()["choices"][0]["token_ids"]
 
 
+async def _pd_all(stack: dict) -> dict[int, tuple[str, list[int]]]:
+    """Every length at once (legs of all requests in flight together)."""
+    done = await asyncio.gather(*(_pd(stack, n) for n in LENGTHS))
+    return dict(zip(LENGTHS, done, strict=True))
+
+
+def _check_kv(stack: dict, rid: str, n: int) -> None:
+    """KV read back: decode's blocks hold prefill's values, element by element."""
+    prod = np.load(stack["dumps"] / f"{rid}-0-producer-h0.npy")
+    cons = np.load(stack["dumps"] / f"{rid}-0-consumer-h0.npy")
+    assert cons.shape[3] >= n - 1 and prod.shape[3] >= cons.shape[3], (prod.shape, cons.shape)
+    tokens = cons.shape[3]
+    diff = np.argwhere((prod[:, :, :, :tokens] != cons).any(axis=-1))
+    assert diff.size == 0, f"{n} tokens: KV differs at (layer, plane, head, token, dim) {diff[:5].tolist()}"
+
+
+def _cons_size(stack: dict, rid: str) -> int:
+    return int(np.load(stack["dumps"] / f"{rid}-0-consumer-h0.npy", mmap_mode="r").size)
+
+
 def test_decode_cache_equals_prefill_cache_and_outputs_equal_single(stack, capsys):
     reference = _reference(stack["decode"].url)  # before any P/D request: nothing transferred yet
     before = stack["decode"].metrics()
     compared, parted = 0, []
     for n in LENGTHS:
         rid, got = asyncio.run(_pd(stack, n))
-        # KV read back: the consumer's blocks hold exactly the producer's values
-        prod = np.load(stack["dumps"] / f"{rid}-0-producer-h0.npy")
-        cons = np.load(stack["dumps"] / f"{rid}-0-consumer-h0.npy")
-        assert cons.shape[3] >= n - 1 and prod.shape[3] >= cons.shape[3], (prod.shape, cons.shape)
-        tokens = cons.shape[3]
-        diff = np.argwhere((prod[:, :, :, :tokens] != cons).any(axis=-1))
-        assert diff.size == 0, (
-            f"{n} tokens: KV differs at (layer, plane, head, token, dim) {diff[:5].tolist()}"
-        )
-        compared += cons.size
+        _check_kv(stack, rid, n)  # the consumer's blocks hold exactly the producer's values
+        compared += _cons_size(stack, rid)
         # greedy output equals the single instance's, but at a reference tie
         want, gaps = reference[n]
         if got != want:
@@ -161,10 +175,21 @@ def test_decode_cache_equals_prefill_cache_and_outputs_equal_single(stack, capsy
                 f"(top-2 gap {gaps[at]:.1e})"
             )
             parted.append(f"{n} tokens at {at} (gap {gaps[at]:.1e})")
+    # the same prompts again, all in flight at once: each request's KV still lands only in its own blocks
+    for n, (rid, got) in asyncio.run(_pd_all(stack)).items():
+        _check_kv(stack, rid, n)
+        compared += _cons_size(stack, rid)
+        want, gaps = reference[n]
+        if got != want:
+            at = next(i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b)
+            assert len(got) == len(want) and gaps[at] <= stack["tie"], (
+                f"{stack['name']} {n} tokens, concurrent: token {at} is {got[at]}, single {want[at]}"
+            )
+            parted.append(f"{n} tokens at {at}, concurrent (gap {gaps[at]:.1e})")
     after = stack["decode"].metrics()
     assert metric_sum(after, "kvferry_transfers_total", role="consumer") - metric_sum(
         before, "kvferry_transfers_total", role="consumer"
-    ) == len(LENGTHS)
+    ) == 2 * len(LENGTHS)
     assert metric_sum(after, "kvferry_transfer_failures_total") == 0
     with capsys.disabled():
         print(
