@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kvferry.connector.kvcache import UnsupportedCacheError, check_spec, probe_offsets
+from kvferry.connector.kvcache import UnsupportedCacheError, check_spec, probe_offsets, spec_window
 from kvferry.tools.hostkv import CacheShape
 from kvferry.tools.vllmkv import VllmKV
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
@@ -88,3 +88,22 @@ def test_specs_that_are_not_plain_attention_kv_are_refused_by_name():
     with pytest.raises(UnsupportedCacheError, match="head_size_v"):
         check_spec("L2", odd)
     check_spec("L3", FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16))
+
+
+def test_groups_whose_kept_blocks_are_not_proven_are_refused_by_name():
+    """Only full attention and plain sliding windows move: vLLM frees other groups' blocks by rules
+    kvferry does not derive (chunks, sinks, speculative tails), so they are refused at start-up."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SinkFullAttentionSpec, SlidingWindowSpec
+
+    common = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    chunked = ChunkedLocalAttentionSpec(attention_chunk_size=64, **common)
+    with pytest.raises(UnsupportedCacheError, match="layer C: KV cache spec ChunkedLocalAttentionSpec"):
+        check_spec("C", chunked)
+    with pytest.raises(UnsupportedCacheError, match="SinkFullAttentionSpec"):
+        check_spec("S", SinkFullAttentionSpec(sink_len=4, **common))
+    with pytest.raises(UnsupportedCacheError, match="extra_retained_tokens=3"):
+        check_spec("W", SlidingWindowSpec(sliding_window=64, extra_retained_tokens=3, **common))
+    check_spec("W", SlidingWindowSpec(sliding_window=64, **common))
+    assert spec_window(SlidingWindowSpec(sliding_window=64, **common)) == 64
+    # a windowed layer vLLM manages as full (hybrid allocator off) keeps every block
+    assert spec_window(FullAttentionSpec(sliding_window=64, **common)) == 0
