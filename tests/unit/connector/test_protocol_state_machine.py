@@ -6,8 +6,11 @@ wires them: Register/SendCancel become Registration/Cancel messages, StartWrite 
 handshaken, posted (after the endpoint's deadline re-check) and completed, its Done carried to the
 consumer; SendFailure a Failure. Rules also crash either engine, advance the clock past leases,
 TTLs, deadlines and grace_s, and send stale or foreign messages (older attempts, ended or unknown
-keys, another engine's messages; revisions are checked before the cores, by intake.admit). Checked
-after every step and at the end of every run:
+keys, another engine's messages; revisions are checked before the cores, by intake.admit), and
+hostile ones: registrations with ranks outside the TP, a TP that does not divide the heads or a rank
+sharing no heads (each must be refused with no state changed and nothing sent), and floods of
+notices for made-up keys and ranks (bounded in total and per key). Checked after every step and at
+the end of every run:
 
   * each key ends exactly once: a hand-over (prefill_finished) is Released once; an accepted
     receive (expect) ends once, in Received or Failed; Received only when every producer rank's
@@ -63,7 +66,10 @@ LIMITS = st.builds(
     early_notice_ttl_s=st.sampled_from([2.0, 8.0]),
     max_entries=st.sampled_from([1, 2, 3, 8]),  # 8: every key of a run fits
     grace_s=st.just(GRACE_S),
+    max_early_notices=st.sampled_from([16, 8192]),  # 16: a flood evicts honest notices too
+    max_notices_per_key=st.sampled_from([4, 64]),
 )
+FLOOD = 40  # notices per flood rule: made-up keys and producer ranks outside any TP
 pick = st.integers(0, 15)  # an index into whatever list a rule chooses from (taken modulo)
 
 
@@ -384,6 +390,39 @@ class Transfers(RuleBasedStateMachine):
         else:
             self._stranger_sends(key, rank, what)
 
+    @rule(
+        what=st.sampled_from(["tp_not_dividing", "rank_outside", "no_shared_heads", "flood"]),
+        key=st.sampled_from([*KEYS, UNKNOWN]),
+        rank=pick,
+    )
+    def hostile(self, what, key, rank):
+        """An admitted sender (claiming the real consumer or producer engine) sends what no honest
+        peer would: a producer refuses it before any state changes and sends nothing; a consumer
+        buffers a flood within its bounds."""
+        if what == "flood":
+            crank = rank % self.ctp
+            for i in range(FLOOD):
+                k = (f"flood-{i % 7}", 0) if i % 2 else key  # made-up keys, and ours from made-up ranks
+                body = Done(*k, P_ENGINE, 10 + i) if i % 3 else Failure(*k, P_ENGINE, 10 + i, "made-up")
+                self._consumer_did(crank, self.consumers[crank].notice(body, self.now))
+            return
+        prank = rank % self.ptp
+        ctp, crank = {"tp_not_dividing": (3, 0), "rank_outside": (2, 5), "no_shared_heads": (self.ctp, -1)}[
+            what
+        ]
+        if crank < 0:  # a consumer rank whose heads are not this producer rank's, if the TPs have one
+            others = set(range(self.ctp)) - set(overlapping_ranks(HEADS, prank, self.ptp, self.ctp))
+            if not others:
+                return
+            crank = min(others)
+        core = self.producers[prank]
+        before = repr((core.finished, core.parked, core.latest, core.ended, core.named))
+        reg = Registration(*key, D_ENGINE, crank, ctp, "d", 5600, f"c{self.cgen}", TOKENS, [[0]],
+                           deadline_unix=self.now + 5)  # fmt: skip
+        out = core.registration(reg, self.now, self.now + 5)
+        assert [type(a) for a in out] == [Reject], out
+        assert repr((core.finished, core.parked, core.latest, core.ended, core.named)) == before
+
     def _duplicate_hand_over(self, prank):
         """A second hand-over of a held key (the worker refuses it; the core must too)."""
         prank %= self.ptp
@@ -454,8 +493,9 @@ class Transfers(RuleBasedStateMachine):
         for c in self.consumers:
             assert len(c.expected) <= n and len(c.early) <= n, (c.expected, c.early)
             # one notice per (engine, rank) for a key is all a peer can say; duplicates are not kept
-            senders = 2 * self.ptp
-            assert all(len(v) <= senders for v in c.early.values()), c.early
+            per_key, total = self.climits.max_notices_per_key, self.climits.max_early_notices
+            assert all(len(v) <= per_key for v in c.early.values()), c.early
+            assert c.early_notices == sum(len(v) for v in c.early.values()) <= total
 
     def teardown(self):
         """At the end of every run: deliver everything, finish every WRITE, let every clock run
