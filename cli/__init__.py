@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "preflight": ("kvferry.connector.preflight", "main", "check NIXL, backend plugins and EFA"),
     "inject": ("kvferry.tools.inject", "main", "copy the connector into DIR for a stock vLLM image"),
     "render": ("kvferry.operator.render.cli", "main", "print the objects a DisaggregatedInference makes"),
-    "doctor": ("kvferry.tools.doctor.cli", "main", "check what a DisaggregatedInference needs from the cluster"),
+    "doctor": ("kvferry.tools.doctor.cli", "main", "what a DisaggregatedInference needs from the cluster"),
     "operator": ("kvferry.operator.run", "main", "run the operator (kopf)"),
     "release-finalizers": (
         "kvferry.operator.finalizers",
