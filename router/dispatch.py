@@ -59,6 +59,7 @@ class OpenLeg:
     stream: bool
     aggregate: bool = False  # D streams, the client wants one JSON answer (see aggregate.py)
     recomputed: str | None = None  # reason, when this is a local recompute
+    finished: bool = False  # closed and its slot freed (finish_leg runs once per leg)
 
 
 class Dispatcher:
@@ -220,8 +221,31 @@ class Dispatcher:
         return self._fail("decode", "error_event", msg)
 
     def finish_leg(self, leg: OpenLeg) -> None:
+        if leg.finished:
+            return
+        leg.finished = True
         leg.response.close()
         self._end(leg.engine)
+
+    def _drop(self, task: asyncio.Task[OpenLeg]) -> None:
+        """A decode task whose leg nobody will relay: close the leg it opened, now or when it ends. A
+        cancel can lose the race with the leg opening (asyncio.wait_for then returns the leg instead
+        of raising), and an unrelayed leg would hold its slot and decode for nobody."""
+
+        def done(t: asyncio.Task[OpenLeg]) -> None:
+            if not t.cancelled() and t.exception() is None:
+                self.finish_leg(t.result())
+
+        if task.done():
+            done(task)
+        else:
+            task.add_done_callback(done)
+
+    async def _abort(self, task: asyncio.Task[OpenLeg]) -> None:
+        """Cancel a decode leg and wait until its connection is closed (vLLM then aborts the request)."""
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        self._drop(task)
 
     # -- flows ------------------------------------------------------------------------------------
 
@@ -312,9 +336,13 @@ class Dispatcher:
                 streams = req.stream or can_aggregate(req.body)
                 await self._after_prefill(p_task, d_task, (p, d), deadline, streams, on_prefill)
             return await d_task
+        except BaseException:
+            self._drop(d_task)  # D's leg may have opened as this handler was cancelled (the client left)
+            raise
         finally:
             if not d_task.done():
                 d_task.cancel()  # only when this handler itself is cancelled: never leave D running
+                self._drop(d_task)
                 if not opened.is_set():
                     p_task.cancel()  # no D registered for its KV: free P now, not after its lease
             elif not d_task.cancelled() and d_task.exception() is not None and not p_task.done():
@@ -359,7 +387,7 @@ class Dispatcher:
         non-streaming D shows nothing before its whole answer: only the request's deadline bounds it."""
         exc = p_task.exception()
         if exc is not None:
-            await _abort(d_task)
+            await self._abort(d_task)
             raise exc
         await on_prefill(p_task.result())
         dl, (p, d) = self.cfg.deadlines, pair
@@ -369,7 +397,7 @@ class Dispatcher:
         done, _ = await asyncio.wait({d_task}, timeout=bound)
         if done:
             return
-        await _abort(d_task)
+        await self._abort(d_task)
         self.tracker.mark_down(d)
         what = "first token" if streams else "answer"
         msg = f"decode {d.engine_id} gave no {what} within {bound:.1f}s after prefill {p.engine_id} finished"
@@ -458,12 +486,6 @@ def status_reason(status: int) -> str:
 
 
 _LABELLED_STATUSES = frozenset((400, 401, 403, 404, 408, 413, 422, 429, 500, 502, 503, 504))
-
-
-async def _abort(task: asyncio.Task[Any]) -> None:
-    """Cancel a decode leg and wait until its connection is closed (vLLM then aborts the request)."""
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
 
 
 def _costs_capacity(exc: LegError) -> bool:

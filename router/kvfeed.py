@@ -34,10 +34,11 @@ from kvferry.router.prefix import PrefixIndex
 log = logging.getLogger(__name__)
 
 REPLAY_TIMEOUT_S = 5.0  # per reply frame; vLLM answers a replay from memory
-# A batch is one engine step's events (KiBs; 4 MiB is ~36k blocks, over 500k tokens in one step); a
+# A batch is one engine step's events (KiBs; 1 MiB is ~9k blocks, over 140k tokens in one step); a
 # larger frame is dropped by ZMQ before it is buffered, so a broken or hostile publisher cannot make
-# the router hold arbitrary amounts of memory: at most RCVHWM frames per socket, two sockets per engine.
-MAX_FRAME_BYTES = 4 << 20
+# the router hold arbitrary amounts of memory (at most RCVHWM frames per socket, two sockets per
+# engine) nor hold the loop long: splitting a frame into its events walks all of it (~15 ms per MiB).
+MAX_FRAME_BYTES = 1 << 20
 RCVHWM = 16  # frames queued per socket; the live stream backs up into the engine's own send queue
 END_SEQ = -1  # vLLM's end-of-replay marker
 RECONNECT_S = 0.5
@@ -81,14 +82,15 @@ class KvEventFeed:
         """The engine's live stream, forever (until cancelled); a broken frame is logged and skipped,
         a dropped connection followed by a new one."""
         state = kvevents.EngineBlocks(self.block_tokens, self.index.max_blocks)
-        reason = "connect"
+        reason, loop = "connect", asyncio.get_running_loop()
         try:
             while True:
+                began = loop.time()
                 await self._subscribed(ep, state, reason)
                 reason = "reconnect"
-                await asyncio.sleep(
-                    RECONNECT_S
-                )  # a peer that drops every connection costs one try per RECONNECT_S
+                # At once after a connection that lasted (frames are lost while no socket listens); a
+                # peer that drops every connection costs one new socket per RECONNECT_S.
+                await asyncio.sleep(max(0.0, began + RECONNECT_S - loop.time()))
         except asyncio.CancelledError:
             raise
         except Exception:  # never a quietly dead task: say so; the next pool sync starts it again
