@@ -22,7 +22,7 @@ from kvferry.local.nodeagent import alloc, cgroups, image, reaper, status
 from kvferry.local.nodeagent.kube import Kube, KubeError
 from kvferry.local.nodeagent.netns import NodeNetwork
 from kvferry.local.nodeagent.pod import PodWorker
-from kvferry.local.nodeagent.podspec import PodContext
+from kvferry.local.nodeagent.podspec import PodContext, PodSpecError
 from kvferry.local.nodeagent.watch import PodWatcher
 
 HEARTBEAT_S = 10.0
@@ -165,6 +165,8 @@ class NodeAgent:
     # --- what pods read from the API -------------------------------------------------------------
     def _lookup(self, kind: str, namespace: str, name: str) -> dict[str, str] | None:
         assert self.kube is not None
+        if kind == "persistentVolumeClaim":
+            return self._claim_path(namespace, name)
         plural = "configmaps" if kind == "configMap" else "secrets"
         try:
             obj = self.kube.get(f"/api/v1/namespaces/{namespace}/{plural}/{name}")
@@ -182,6 +184,26 @@ class NodeAgent:
             }
         )
         return data
+
+    def _claim_path(self, namespace: str, name: str) -> dict[str, str] | None:
+        """{"path": dir} of the hostPath/local PersistentVolume bound to claim `name`; None if absent."""
+        assert self.kube is not None
+        try:
+            pvc = self.kube.get(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{name}")
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        volume = (pvc.get("spec") or {}).get("volumeName")
+        if not volume or (pvc.get("status") or {}).get("phase") != "Bound":
+            # Transient, as for the kubelet: the pod's setup is retried until the claim binds.
+            raise KubeError(f"claim {namespace}/{name} is not bound to a PersistentVolume yet")
+        pv = self.kube.get(f"/api/v1/persistentvolumes/{volume}")["spec"]
+        path = (pv.get("hostPath") or pv.get("local") or {}).get("path")
+        if not path:
+            kinds = sorted(k for k in pv if k not in ("accessModes", "capacity", "claimRef"))
+            raise PodSpecError(f"PersistentVolume {volume} ({kinds}) is not a local directory")
+        return {"path": path}
 
     def _issue_token(self, ns: str, sa: str, pod: str, uid: str, audience: str | None, seconds: int) -> str:
         """A pod-bound service-account token (TokenRequest), as the kubelet projects one."""

@@ -4,6 +4,8 @@
 - emptyDir: a fresh directory; an emptyDir mounted at /dev/shm is left out, because every local
   process already shares the machine's /dev/shm.
 - hostPath: the host path itself.
+- persistentVolumeClaim: the directory of the PersistentVolume bound to the claim, when that volume is
+  a hostPath or local one (a path on this machine); any other kind cannot be mounted by a process.
 - projected: service-account token (TokenRequest bound to the pod), configMap keys and downward-API
   fields. Python's in-cluster loader reads a fixed path under /var/run/secrets, which a local process
   cannot have per pod, so the agent also writes a `kubeconfig` with the same token and CA next to the
@@ -111,6 +113,10 @@ def materialize(
         directory = root / "volumes" / vname
         if "hostPath" in volume:
             dirs[vname] = volume["hostPath"]["path"]
+            continue
+        if "persistentVolumeClaim" in volume:
+            claim = volume["persistentVolumeClaim"]["claimName"]
+            dirs[vname] = _key_source(lookup, "persistentVolumeClaim", ns, {"name": claim}, name)["path"]
             continue
         if "emptyDir" in volume and mounts.get(vname, "").rstrip("/") == "/dev/shm":
             dirs[vname] = None

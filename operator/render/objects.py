@@ -15,7 +15,17 @@ import jinja2
 import yaml
 from kvferry.contracts import pods, versions
 from kvferry.operator import names
-from kvferry.operator.render import dra, groups, images, injection, placement, presets, routing, security
+from kvferry.operator.render import (
+    dra,
+    groups,
+    images,
+    injection,
+    model,
+    placement,
+    presets,
+    routing,
+    security,
+)
 from kvferry.operator.render.presets import PodPlan, merge
 from kvferry.operator.spec import GROUP, KIND, VERSION, Role, Spec, SpecError, parse_spec
 
@@ -126,12 +136,13 @@ def vllm_args(
 ) -> list[str]:
     engine = spec.vllm
     rspec: Role = getattr(spec, role)
+    source = model.plan(spec)  # spec.model's URI: the argument vLLM gets, a load format (model.py)
     args = [
-        spec.model,
+        source.model_arg,
         "--port",
         str(names.HTTP_PORT),
         "--served-model-name",
-        spec.served_model_name or spec.model,
+        source.served_name,
         "--tensor-parallel-size",
         str(rspec.tensor_parallel_size),
         "--block-size",
@@ -146,6 +157,7 @@ def vllm_args(
         args += ["--kv-events-config", json.dumps(routing.kv_events_config(), separators=(",", ":"))]
     if vllm_version >= SHUTDOWN_TIMEOUT_SINCE:  # an unknown flag stops vLLM at start-up
         args += ["--shutdown-timeout", str(shutdown_timeout)]
+    args += source.args
     args += ["--kv-transfer-config", kv_json]
     return args + engine.extra_args + rspec.extra_args
 
@@ -170,6 +182,7 @@ def role_context(
         {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(spec.kv_transfer.side_channel_port)},
     ]
     labels = names.common_labels(cr_name, role)
+    source = model.plan(spec)
     return {
         "role": role,
         "name": names.role_name(cr_name, role),
@@ -186,12 +199,15 @@ def role_context(
         "replicas": replicas,
         "image": plan.image,
         "args": vllm_args(spec, role, kv_json, shutdown, plan.vllm_version),
-        "env": identity + security.engine_env(spec, plan.env),
+        "env": identity + security.engine_env(spec, model.with_env(source.env, plan.env)),
         "resources": plan.resources,
         "node_selector": plan.node_selector,
         "tolerations": plan.tolerations,
         "scheduler_name": plan.scheduler_name,
         "image_pull_secrets": [{"name": n} for n in plan.image_pull_secrets],
+        # spec.model's volume (pvc://) or download cache (hub), the same for both roles (model.py).
+        "model": {"volumes": source.volumes, "mounts": source.mounts},
+        "service_account": source.service_account,
         "compile_cache": (
             {
                 "mount": plan.compile_cache[0],
@@ -253,7 +269,7 @@ def router_config(spec: Spec, cr_name: str, namespace: str) -> dict[str, Any]:
         "listen": {"host": "0.0.0.0", "port": names.HTTP_PORT},
         **({"auth": auth} if auth else {}),
         "mode": router_mode(spec),
-        "model": spec.served_model_name or spec.model,
+        "model": model.served_name(spec),
         "policy": spec.router.policy,
         "deadlines": {"prefill_s": 60, "decode_first_token_s": 60, "transfer_s": deadline, "total_s": 600},
         "routing": routing.routing_config(spec),

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kvferry.operator.render import groups, images
+from kvferry.operator.render import groups, images, model
 from kvferry.operator.spec import Role, Spec
 from kvferry.operator.spec.compile_cache import CompileCache
 
@@ -135,7 +135,8 @@ def merge(spec: Spec, role_name: str, registry: str = images.DEFAULT_REGISTRY) -
     return PodPlan(
         image=image,
         env=_by_name(preset.get("env", []), role_env, role.env),
-        resources=_resources(preset, role, devices, efa),
+        # spec.modelStorage: a download into emptyDir requests its size of ephemeral storage (model.py)
+        resources=model.with_ephemeral(_resources(preset, role, devices, efa), model.plan(spec).ephemeral),
         node_selector={**preset.get("nodeSelector", {}), **role.node_selector},
         tolerations=[*preset.get("tolerations", []), *role.tolerations],
         affinity=role.affinity,

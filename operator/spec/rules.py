@@ -19,6 +19,7 @@ from kvferry.operator.spec.constants import (
     MULTI_NODE_ACCELERATORS,
     NEURON_ACCELERATORS,
 )
+from kvferry.operator.spec.model_storage import CEL_RULES as MODEL_RULES
 from kvferry.operator.spec.podinputs import (
     QUANTITY_MESSAGE,
     RESERVED_ENV,
@@ -441,3 +442,4 @@ RULES += [
         lambda s: s.compile_cache is None or s.compile_cache.path.startswith("/"),
     ),
 ]
+RULES += [Rule(*rule) for rule in MODEL_RULES]  # spec.model's URI and spec.modelStorage (model_storage.py)

@@ -8,6 +8,7 @@ from kvferry.operator.spec.autoscaling import Autoscaling
 from kvferry.operator.spec.compile_cache import CompileCache
 from kvferry.operator.spec.constants import ACCELERATORS, BACKENDS, CONNECTORS, MODES
 from kvferry.operator.spec.fields import Obj, f
+from kvferry.operator.spec.model_storage import ModelStorage
 from kvferry.operator.spec.placement import Placement
 from kvferry.operator.spec.podinputs import ENV_ITEM_SCHEMA, IMAGE_SCHEMA, RESOURCES_SCHEMA
 from kvferry.operator.spec.routing import Routing
@@ -236,7 +237,14 @@ class Router:
 class Spec:
     """Desired state of a disaggregated prefill/decode vLLM service."""
 
-    model: str = f("Model name (Hugging Face id) or path inside the image.", minLength=1)
+    model: str = f(
+        "The model: hf://ORG/NAME or a bare hub id (downloaded into modelStorage.cache), "
+        "pvc://CLAIM/PATH (files on a ReadOnlyMany claim, mounted read-only), s3://BUCKET/PREFIX "
+        "(streamed by vLLM's Run:ai model streamer with the pods' service account's credentials), or "
+        "/PATH inside the image (docs/models.md).",
+        minLength=1,
+        maxLength=4096,
+    )
     served_model_name: str | None = f("Name clients use; unset uses `model`.", None)
     image: str | None = f(
         "vLLM image for both roles; unset uses the preset's. A digest (`repo@sha256:...`, with or "
@@ -264,6 +272,11 @@ class Spec:
     )
     autoscaling: Autoscaling | None = f(
         "Scale prefill and decode to latency targets (docs/autoscaling.md); unset = replicas as given.", None
+    )
+    model_storage: ModelStorage | None = f(
+        "Where the model's files are kept and how large they are (docs/models.md); unset: a hub model "
+        "downloads into an emptyDir (needs size on the p5en, p5, trn2 and trn1 presets).",
+        None,
     )
     compile_cache: CompileCache | None = f(
         "Neuron presets (trn2, trn1): where compiled graphs persist across restarts (docs/trainium.md "
