@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         findings = checks.run_checks(wanted, cluster.snapshot(api, wanted, args.addons_namespace))
     finally:
-        api.close()
+        api.close()  # type: ignore[no-untyped-call]
     for f in findings:
         print(json.dumps(f.__dict__) if args.json else f.line())
     gaps = sum(not f.ok for f in findings)

@@ -15,7 +15,10 @@ OPERATOR_SELECTOR = "app.kubernetes.io/name=kvferry,app.kubernetes.io/component=
 
 
 def api_client(kubeconfig: str | None, context: str | None = None) -> client.ApiClient:
-    return config.new_client_from_config(config_file=kubeconfig, context=context)
+    api: client.ApiClient = config.new_client_from_config(  # type: ignore[no-untyped-call]
+        config_file=kubeconfig, context=context
+    )
+    return api
 
 
 class DoctorApiError(RuntimeError):
@@ -34,11 +37,12 @@ def get(api: client.ApiClient, path: str, query: dict[str, str] | None = None) -
         auth_settings=["BearerToken"],
     )
     resp = api.call_api(*req, _request_timeout=TIMEOUT_S)
-    resp.read()
+    resp.read()  # type: ignore[no-untyped-call]
+    raw: bytes = resp.data or b""
     try:
-        data: dict[str, Any] = json.loads(resp.data) if resp.data else {}
+        data: dict[str, Any] = json.loads(raw) if raw else {}
     except ValueError:  # the API server's plain "404 page not found" of an unserved path
-        data = {"message": resp.data[:200].decode("utf-8", errors="replace")}
+        data = {"message": raw[:200].decode("utf-8", errors="replace")}
     if resp.status >= 400:
         raise DoctorApiError(resp.status, path, str(data.get("message", "")))
     return data
