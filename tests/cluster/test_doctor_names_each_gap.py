@@ -264,6 +264,10 @@ def test_device_plugin_that_does_not_tolerate_the_gpu_taint(setup: Setup) -> Non
 
 def test_dra_role_without_resource_slices(setup: Setup) -> None:
     setup.healthy_p5en()
+    setup.kubectl("delete", "deviceclass", *(c["metadata"]["name"] for c in DEVICE_CLASSES), check=False)
+    the_gap(
+        *setup.doctor(p5en(efaAttach="dra")), "deviceclasses/prefill", "efa.networking.k8s.aws", "aws-dranet"
+    )
     for cls in DEVICE_CLASSES:
         setup.kubectl("apply", "-f", "-", input=json.dumps(cls))
     rc, lines = setup.doctor(p5en(efaAttach="dra"))

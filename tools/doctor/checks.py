@@ -63,6 +63,7 @@ class Snapshot:
     daemonsets: list[dict[str, Any]] = field(default_factory=list)
     deployments: list[dict[str, Any]] = field(default_factory=list)
     slices: list[dict[str, Any]] = field(default_factory=list)  # ResourceSlices (resource.k8s.io/v1)
+    device_classes: set[str] = field(default_factory=set)  # DeviceClass names
     pods: list[dict[str, Any]] = field(default_factory=list)  # the CR's pods
     events: list[dict[str, Any]] = field(default_factory=list)  # events in the CR's namespace
 
@@ -190,7 +191,7 @@ def check_nodes(needs: RoleNeeds, snap: Snapshot) -> list[Finding]:
             )
         ]
     if needs.dra_claim:
-        return [_check_slices(needs, open_nodes, snap)]
+        return [_check_device_classes(needs, snap), _check_slices(needs, open_nodes, snap)]
     out = []
     for resource, count in sorted(needs.devices.items()):
         fitting = [n for n in open_nodes if _allocatable(n, resource) >= count]
@@ -211,6 +212,23 @@ def check_nodes(needs: RoleNeeds, snap: Snapshot) -> list[Finding]:
             Finding(f"{check}/{resource}", False, f"no node allocates {count} {resource} ({have})", fix)
         )
     return out or [Finding(check, True, f"{len(open_nodes)} node(s) labelled {selector}")]
+
+
+def _check_device_classes(needs: RoleNeeds, snap: Snapshot) -> Finding:
+    """The claim names two DeviceClasses; a missing one leaves the pods Pending (the drivers' charts
+    install them: eks/aws-dranet the EFA one, the NVIDIA DRA driver's chart gpu.nvidia.com)."""
+    missing = [c for c in (dra.GPU_CLASS, dra.EFA_CLASS) if c not in snap.device_classes]
+    check = f"deviceclasses/{needs.role}"
+    if missing:
+        return Finding(
+            check,
+            False,
+            f"the DeviceClass(es) {', '.join(missing)} the {needs.role} claim names do not exist "
+            "(resource.k8s.io/v1 needs Kubernetes >= 1.34)",
+            "install the NVIDIA GPU DRA driver and the EFA DRA driver (helm install aws-dranet "
+            "eks/aws-dranet -n kube-system), whose charts create them",
+        )
+    return Finding(check, True, f"DeviceClasses {dra.GPU_CLASS} and {dra.EFA_CLASS} exist")
 
 
 def _check_slices(needs: RoleNeeds, nodes: list[dict[str, Any]], snap: Snapshot) -> Finding:

@@ -80,6 +80,7 @@ def snapshot(api: client.ApiClient, needs: Needs, addons_namespace: str | None =
         daemonsets=_items(api, _ns("/apis/apps/v1/daemonsets", addons_namespace)),
         deployments=_items(api, _ns("/apis/apps/v1/deployments", addons_namespace)),
         slices=_items(api, "/apis/resource.k8s.io/v1/resourceslices"),
+        device_classes={c["metadata"]["name"] for c in _items(api, "/apis/resource.k8s.io/v1/deviceclasses")},
         pods=_items(api, f"/api/v1/namespaces/{needs.namespace}/pods", {"labelSelector": selector}),
         events=_items(api, f"/api/v1/namespaces/{needs.namespace}/events"),
     )
