@@ -48,21 +48,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the findings as JSON lines")
     args = parser.parse_args(argv)
 
+    from kubernetes.config.config_exception import ConfigException
     from kvferry.tools.doctor import checks, cluster, needs
 
-    api = cluster.api_client(args.kubeconfig, args.context)
     try:
-        try:
-            cr = _load_cr(args.cr, args.namespace, api)
-            wanted = needs.needs_of(cr)
-        except (OSError, ValueError, yaml.YAMLError) as exc:  # SpecError is a ValueError
-            kind = "invalid" if isinstance(exc, SpecError) else "cannot read"
-            print(f"kvferry doctor: {kind} CR {args.cr}: {exc}", file=sys.stderr)
-            return 2
-        except cluster.DoctorApiError as exc:
-            print(f"kvferry doctor: cannot read CR {args.cr}: {exc}", file=sys.stderr)
-            return 2
+        api = cluster.api_client(args.kubeconfig, args.context)
+    except (ConfigException, OSError) as exc:
+        print(f"kvferry doctor: cannot load the kubeconfig: {exc}", file=sys.stderr)
+        return 2
+    try:
+        cr = _load_cr(args.cr, args.namespace, api)
+        wanted = needs.needs_of(cr)
         findings = checks.run_checks(wanted, cluster.snapshot(api, wanted, args.addons_namespace))
+    except (ValueError, yaml.YAMLError) as exc:  # SpecError is a ValueError
+        kind = "invalid" if isinstance(exc, SpecError) else "cannot read"
+        print(f"kvferry doctor: {kind} CR {args.cr}: {exc}", file=sys.stderr)
+        return 2
+    except cluster.DoctorApiError as exc:  # 403: the kubeconfig's user may not read what the checks need
+        print(f"kvferry doctor: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # transport: urllib3 errors (refused, TLS, timeout) name the server
+        print(f"kvferry doctor: cannot reach the API server: {exc}", file=sys.stderr)
+        return 2
     finally:
         api.close()  # type: ignore[no-untyped-call]
     for f in findings:

@@ -71,3 +71,22 @@ def test_every_line_says_ok_or_gap_with_a_fix_and_duplicates_collapse() -> None:
     assert gap.line() == "GAP  x: broken -> fix: mend it"
     assert checks.Finding("x", True, "fine").line() == "OK   x: fine"
     assert checks._dedupe([gap, gap]) == [gap]
+
+
+def test_an_unusable_kubeconfig_or_server_exits_2_saying_which(tmp_path, capsys) -> None:
+    from kvferry.tools.doctor import cli
+
+    cr = tmp_path / "cr.yaml"
+    cr.write_text(
+        "apiVersion: kvferry.io/v1alpha1\nkind: DisaggregatedInference\nmetadata: {name: a}\nspec: {model: /m}\n"
+    )
+    assert cli.main([str(cr), "--kubeconfig", str(tmp_path / "absent")]) == 2
+    assert "cannot load the kubeconfig" in capsys.readouterr().err
+    kubeconfig = tmp_path / "kc.yaml"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+        "users: [{name: u, user: {token: x}}]\ncontexts: [{name: c, context: {cluster: c, user: u}}]\n"
+    )
+    assert cli.main([str(cr), "--kubeconfig", str(kubeconfig)]) == 2
+    assert "cannot reach the API server" in capsys.readouterr().err
