@@ -78,7 +78,8 @@ def test_an_unusable_kubeconfig_or_server_exits_2_saying_which(tmp_path, capsys)
 
     cr = tmp_path / "cr.yaml"
     cr.write_text(
-        "apiVersion: kvferry.io/v1alpha1\nkind: DisaggregatedInference\nmetadata: {name: a}\nspec: {model: /m}\n"
+        "apiVersion: kvferry.io/v1alpha1\nkind: DisaggregatedInference\n"
+        "metadata: {name: a}\nspec: {model: /m}\n"
     )
     assert cli.main([str(cr), "--kubeconfig", str(tmp_path / "absent")]) == 2
     assert "cannot load the kubeconfig" in capsys.readouterr().err
