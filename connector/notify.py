@@ -47,14 +47,12 @@ class Notifier:
 
     def failure(self, reg: Registration, reason: str, verified: bool = True) -> None:
         """Producer: tell the consumer rank of `reg` that it will not get this KV, and why. Unless
-        `verified` (protocol.py: our prefill named its key and engine), only to an agent already
-        loaded for that address and incarnation: a made-up registration never makes this rank
-        handshake with whatever host and port it names (no reflection); its sender, if real, ends
-        the receive at its own deadline."""
-        known = None if verified else self.peers.known(reg.consumer_host, reg.consumer_port, reg.incarnation)
-        if not verified and known is None:
-            self.metrics.record("rejected", 1, self.role, "unverified_consumer")
-            return
+        `verified` (protocol.py: our prefill named its key and engine) the address is only what a
+        registration claims: the Failure goes to an agent already loaded for that address and
+        incarnation, or through a `suspect` handshake (one at a time, on its own thread: peers.py),
+        else nowhere (counted; a real consumer ends the receive at its own deadline). Either way
+        only to the very agent that sent `reg` (the fetch checks engine and incarnation)."""
+        known = self.peers.known(reg.consumer_host, reg.consumer_port, reg.incarnation)
         msg = encode(
             Failure(
                 reg.request_id,
@@ -65,15 +63,21 @@ class Notifier:
                 self.cfg.revision,
             )
         )
-        self.metrics.record("failures", 1, self.role, reason)
 
         def then(agent: str | None, err: str) -> None:
+            if agent is None and not verified:
+                self.metrics.record("rejected", 1, self.role, "unverified_consumer")
+                return
+            self.metrics.record("failures", 1, self.role, reason)
             self.send(agent, msg, err)
 
         if known is not None:
             then(known, "")
             return
-        self.peers.with_peer(reg.consumer_host, reg.consumer_port, reg.consumer_engine, reg.incarnation, then)
+        self.peers.with_peer(
+            reg.consumer_host, reg.consumer_port, reg.consumer_engine, reg.incarnation, then,
+            suspect=not verified,
+        )  # fmt: skip
 
     def to_producers(
         self,

@@ -7,6 +7,9 @@ Callers pass a continuation that receives the agent name, or None and the reason
 Bounded: at most MAX_FETCHES addresses are being fetched at once and MAX_WAITERS continuations wait
 on one; beyond that a caller is answered at once with the reason, nothing queues. A fetch with an
 expected incarnation must find that very agent at the address, not just an agent of the engine.
+A `suspect` fetch (an address only an unverified registration names) runs on its own thread, one
+at a time: whatever addresses a flood of made-up registrations names, this rank connects to at
+most one of them at once, and never delays a real handshake.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class Peers:
         self.cfg, self.metrics, self._wake = cfg, metrics, wake
         # several threads, so one silent peer does not delay fetches from the others
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvferry-fetch")
+        self._suspect_pool = ThreadPoolExecutor(1, thread_name_prefix="kvferry-fetch-suspect")
+        self._suspect: Addr | None = None  # the suspect fetch in flight
         self._fetches: dict[Addr, tuple[Future[PeerInfo], list[Then]]] = {}
         self._known: dict[Addr, tuple[str, str]] = {}  # address -> (incarnation, agent name)
         self._used: dict[Addr, float] = {}  # address -> last use (monotonic)
@@ -44,8 +49,9 @@ class Peers:
         return len(self._fetches)
 
     def with_peer(
-        self, host: str, port: int, engine: str | None, incarnation: str | None, then: Then
-    ) -> None:
+        self, host: str, port: int, engine: str | None, incarnation: str | None, then: Then,
+        suspect: bool = False,
+    ) -> None:  # fmt: skip
         """Run `then(agent, "")` with the loaded agent, now or after a fetch; `then(None, why)` on failure.
         A known incarnation different from the cached one (a restarted peer) forces a fetch."""
         cached = self._known.get((host, port))
@@ -60,11 +66,15 @@ class Peers:
                 return
             waiters.append(then)
             return
-        if len(self._fetches) >= MAX_FETCHES:
+        if len(self._fetches) >= MAX_FETCHES or (suspect and self._suspect is not None):
             self.metrics.record("handshakes", 1, "refused")
-            then(None, f"{MAX_FETCHES} handshakes already under way")
+            then(None, "a handshake for an unverified peer is under way" if suspect else
+                 f"{MAX_FETCHES} handshakes already under way")  # fmt: skip
             return
-        future = self._pool.submit(self._fetch, host, port, engine, incarnation)
+        pool = self._suspect_pool if suspect else self._pool
+        if suspect:
+            self._suspect = (host, port)
+        future = pool.submit(self._fetch, host, port, engine, incarnation)
         future.add_done_callback(lambda _: self._wake())
         self._fetches[(host, port)] = (future, [then])
 
@@ -128,6 +138,8 @@ class Peers:
         done = [addr for addr, (future, _) in self._fetches.items() if future.done()]
         for addr in done:
             future, waiters = self._fetches.pop(addr)
+            if addr == self._suspect:
+                self._suspect = None
             agent, err = None, ""
             try:
                 info = future.result()
@@ -148,3 +160,4 @@ class Peers:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._suspect_pool.shutdown(wait=False, cancel_futures=True)

@@ -18,6 +18,7 @@ consumer: an expected transfer completes when every expected producer rank has r
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -97,6 +98,9 @@ class ProducerCore:
         self._finished_of: dict[str, dict[Key, None]] = {}  # request_id -> its keys in `finished`
         # request_id -> attempt -> its slots in `parked`, in arrival order
         self._parked_of: dict[str, dict[int, dict[Slot, None]]] = {}
+        # (consumer's deadline, arrival, slot) of parked registrations: tick() finds the ones past
+        # their deadline without a scan (entries of slots since unparked are skipped, then dropped)
+        self._deadlines: list[tuple[float, float, Slot]] = []
 
     # inputs
     def prefill_finished(
@@ -251,17 +255,26 @@ class ProducerCore:
             if now >= entry.expires and not entry.inflight:  # never free blocks a WRITE is reading
                 out += [self._fail(r, "lease_expired") for n, r in entry.regs.items() if n not in entry.done]
                 out.append(self._end(key, "lease_expired"))
-        for slot, (reg, since, deadline) in list(self.parked.items()):
-            if now >= deadline:
-                self._unpark(slot)
+        # Parked registrations past their deadline (a heap), then past the TTL (arrival order: a
+        # prefix); never a scan of every one, which a flood of them would make each round pay.
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, since, slot = heapq.heappop(self._deadlines)
+            if slot in self.parked and self.parked[slot][1:] == (since, deadline):
+                reg, _, _ = self._unpark(slot)
                 out.append(self._fail(reg, "deadline"))
-            elif now - since >= self.limits.registration_ttl_s:
-                self._unpark(slot)
-                self._mark_ended(slot[0], "registration_expired")  # as for an overflow, above
-                out += [
-                    Reject("registration_expired", f"no prefill for {slot[0]} within the TTL"),
-                    self._fail(reg, "registration_expired"),
-                ]
+        while self.parked:
+            slot, (reg, since, _) = next(iter(self.parked.items()))
+            if now - since < self.limits.registration_ttl_s:
+                break
+            self._unpark(slot)
+            self._mark_ended(slot[0], "registration_expired")  # as for an overflow, above
+            out += [
+                Reject("registration_expired", f"no prefill for {slot[0]} within the TTL"),
+                self._fail(reg, "registration_expired"),
+            ]
+        if len(self._deadlines) > 2 * len(self.parked) + 64:  # drop entries of slots since unparked
+            self._deadlines = [(d, t, s) for s, (_, t, d) in self.parked.items()]
+            heapq.heapify(self._deadlines)
         return out
 
     def pending(self) -> dict[str, int]:
@@ -362,6 +375,8 @@ class ProducerCore:
 
     def _park(self, slot: Slot, value: tuple[Registration, float, float]) -> None:
         self.parked[slot] = value
+        if value[2] != float("inf"):
+            heapq.heappush(self._deadlines, (value[2], value[1], slot))
         self._parked_of.setdefault(slot[0][0], {}).setdefault(slot[0][1], {})[slot] = None
 
     def _unpark(self, slot: Slot) -> tuple[Registration, float, float]:

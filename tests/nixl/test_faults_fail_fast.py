@@ -98,11 +98,12 @@ def test_layouts_that_cannot_be_mapped_are_refused_before_any_write(procs):
 
 def test_a_request_the_core_cannot_accept_fails_alone_and_the_thread_serves_on(procs):
     """A producer TP of 3 cannot split 4 KV heads: that request fails with a reason (it used to end
-    the endpoint thread, leaving every later request of the engine waiting)."""
+    the endpoint thread, leaving every later request of the engine waiting); the core refuses it
+    before it holds anything (malformed), it does not raise."""
     prod, cons = pair(procs)
     cons.call("expect", "bad-tp", 0, expect_args(prod, BLOCKS, 40, tp=3))
-    assert failed_within(cons, 5.0)[0] == [(("bad-tp", 0), "rejected")]
-    assert 'kvferry_transfer_failures_total{reason="rejected",role="consumer"} 1.0' in cons.call("metrics")
+    assert failed_within(cons, 5.0)[0] == [(("bad-tp", 0), "malformed")]
+    assert 'kvferry_transfer_failures_total{reason="malformed",role="consumer"} 1.0' in cons.call("metrics")
     assert_still_works(prod, cons)
 
 

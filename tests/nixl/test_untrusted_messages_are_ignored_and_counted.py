@@ -3,7 +3,9 @@ ignored and counted (kvferry_rejected_messages_total), never acted on, and the h
 
 from __future__ import annotations
 
+import contextlib
 import re
+import socket
 import time
 
 import pytest
@@ -57,9 +59,20 @@ def wait_rejected(proc, reason: str, at_least: float) -> float:
     )
 
 
-def reg(rid: str, engine: str, deadline_unix: float | None = None) -> Registration:
+def reg(
+    rid: str,
+    engine: str,
+    deadline_unix: float | None = None,
+    *,
+    rank: int = 0,
+    port: int = 1,
+    tokens: int = 40,
+) -> Registration:
+    """A registration as the rogue agent (`decode-x/0/rogue`) would send it: its own incarnation."""
     deadline = time.time() + 60.0 if deadline_unix is None else deadline_unix
-    return Registration(rid, 0, engine, 0, 1, "127.0.0.1", 1, "x", 40, [[1, 2, 3]], "", "", deadline)
+    return Registration(
+        rid, 0, engine, rank, 1, "127.0.0.1", port, "rogue", tokens, [[1, 2, 3]], "", "", deadline
+    )
 
 
 def test_producer_ignores_bad_registrations_and_keeps_working(procs, rogue):
@@ -84,6 +97,31 @@ def test_producer_ignores_bad_registrations_and_keeps_working(procs, rogue):
     cons.call("expect", "r1", 0, expect_args(prod, [7, 8, 9], 40))
     assert cons.call("results", 20.0, 1)["received"] == [("r1", 0)]
     assert cons.call("mismatches", [7, 8, 9], 40) == 0
+
+
+def test_a_rank_speaks_only_for_itself_and_made_up_registrations_draw_one_handshake_at_most(procs, rogue):
+    # was: the rank in a message was never checked against the sender's agent name, and every
+    # registration for a key prefill never saw drew a handshake to the host and port it named
+    (prod,) = procs.start("producer", "prefill-0", SHAPE)
+    with contextlib.ExitStack() as stack:
+        targets = [stack.enter_context(socket.create_server(("127.0.0.1", 0))) for _ in range(20)]
+        name = rogue.add_remote_agent(fetch_peer("127.0.0.1", prod.port, 5.0).agent_metadata)
+        rogue.send_notif(name, encode(reg("r0", "decode-x", rank=1)))  # rank 1 from agent rank 0
+        for i, target in enumerate(targets):  # tokens [0, 0): each would draw a token_mismatch Failure
+            rogue.send_notif(name, encode(reg(f"u{i}", "decode-x", port=target.getsockname()[1], tokens=0)))
+        pump(rogue)
+        assert wait_rejected(prod, "unexpected_rank", 1) == 1
+        assert wait_rejected(prod, "malformed", 20) == 20
+        # One suspect handshake at a time, each waiting out its timeout on a target that never
+        # answers; the Failures that came meanwhile go nowhere. None reaches anyone (counted).
+        assert wait_rejected(prod, "unverified_consumer", 20) == 20
+        connected = 0
+        for target in targets:
+            target.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                target.accept()[0].close()
+                connected += 1
+        assert connected <= 2, connected  # (the old producer connected to all 20)
 
 
 def test_consumer_ignores_completion_from_an_engine_it_did_not_ask(procs, rogue):
