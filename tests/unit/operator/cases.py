@@ -199,6 +199,20 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         .obj(),
         "spec.compileCache.claimName",
     ),
+    # efaAttach dra pairs NVIDIA GPUs with EFA by PCIe root: GPU presets only (render/dra.py).
+    (
+        "efa-attach-dra-on-trn2",
+        make_inference("bad34", accelerator="trn2")
+        .kv(connector="vllm", mode="pull")
+        .decode(efaAttach="dra")
+        .obj(),
+        "spec.decode.efaAttach",
+    ),
+    (
+        "efa-attach-dra-on-cpu",
+        make_inference("bad35").prefill(efaAttach="dra").obj(),
+        "spec.prefill.efaAttach",
+    ),
     (
         "mixed-presets-upstream-connector",
         make_inference("bad27", accelerator="p5en").kv(connector="vllm").decode(accelerator="p5").obj(),
@@ -227,6 +241,10 @@ VALID = {
     .set(compileCache={"volume": "persistentVolumeClaim", "claimName": "neuron-cache"})
     .obj(),
     "prefill-p5en-decode-p5": make_inference("ok9", accelerator="p5en").decode(accelerator="p5").obj(),
+    "efa-attach-dra-on-p5en-and-p5": make_inference("ok10", accelerator="p5en")
+    .prefill(tensorParallelSize=2, efaAttach="dra")
+    .decode(accelerator="p5", efaAttach="dra")
+    .obj(),
     "placement-required": make_inference(
         "ok8", placement={"sameZone": "required", "networkTopology": "none"}
     ).obj(),
