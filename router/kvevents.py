@@ -32,8 +32,10 @@ from kvferry.router.prefix import chain_one, token_chunk
 
 SEQ_BYTES = 8
 MAX_HASH_BYTES = 64  # vLLM's block hashes: 32-byte digests, or 64-bit ints (msgpack bounds those)
-MAX_EVENT_BLOCKS = 1 << 14  # one event is one request's blocks in one engine step
-MAX_EVENT_TOKENS = 1 << 18
+# One event is one request's blocks in one engine step (a chunk of at most max_num_batched_tokens);
+# decoding 65,536 token ids takes ~4 ms, the time one slice may hold the loop.
+MAX_EVENT_TOKENS = 1 << 16
+MAX_EVENT_BLOCKS = 1 << 12
 MAX_BATCH_EVENTS = 1 << 16
 # Work per slice: blocks stored or removed, and events decoded (5.7 us per block measured: ~6 ms).
 SLICE_UNITS = 1024

@@ -1,5 +1,5 @@
 """router/kvfeed.py on the real ZMQ path inside the real router app: a publisher sends one batch of
-65,536 blocks (a frame the old feed applied in one go, holding the event loop for ~0.4 s here and ~9 s
+32,768 blocks (a frame the old feed applied in one go, holding the event loop for ~0.2 s here and ~9 s
 for a 32 MiB frame), and an HTTP request that arrives while the batch is being applied is answered
 between its slices, not after it. No clock is read: the order of what the loop did is the evidence."""
 
@@ -21,8 +21,8 @@ from kvferry.router.config import parse_config
 from kvferry.router.prefix import prompt_keys
 
 BLOCK = 16
-HOSTILE_BLOCKS = 1 << 16
-PER_EVENT = 1 << 14  # kvevents.MAX_EVENT_BLOCKS
+HOSTILE_BLOCKS = 1 << 15
+PER_EVENT = 1 << 12  # kvevents.MAX_EVENT_BLOCKS
 SLICE = 1024  # kvevents.SLICE_UNITS (literals: this test must also run, and fail, on the unsliced feed)
 _enc = msgspec.msgpack.Encoder()
 
@@ -37,14 +37,14 @@ def stored(hashes: list[Any], parent: Any, tokens: list[int]) -> dict[str, Any]:
 
 
 def hostile_events() -> list[dict[str, Any]]:
-    """65,536 chained blocks (~1.7 MB, under the frame cap), in events of at most MAX_EVENT_BLOCKS,
-    and one event with a hash far past MAX_HASH_BYTES."""
+    """32,768 chained blocks (~0.7 MB, under the 1 MiB frame cap), in events of MAX_EVENT_BLOCKS,
+    and one event with a hash far past MAX_HASH_BYTES (100 kB)."""
     per, events = PER_EVENT, []
     for start in range(0, HOSTILE_BLOCKS, per):
         hashes = list(range(10_000 + start, 10_000 + start + per))
         parent = None if start == 0 else 10_000 + start - 1
         events.append(stored(hashes, parent, [7] * (per * BLOCK)))
-    events.append(stored([b"h" * 1_000_000], None, [1] * BLOCK))
+    events.append(stored([b"h" * 100_000], None, [1] * BLOCK))
     return events
 
 
@@ -168,7 +168,7 @@ def test_a_frame_past_the_cap_is_dropped_and_the_feed_follows_on(tmp_path: Path)
             first = prompt_keys(before, BLOCK, 4.0).keys
             send = lambda hashes, tokens: pub.send_multipart(frame(next(seq), [stored(hashes, None, tokens)]))  # noqa: E731
             await _until(lambda: index.match(url, first) == 1, "the first batch", lambda: send([1], before))
-            await pub.send_multipart([b"kv", next(seq).to_bytes(8, "big"), b"\0" * (33 << 20)])
+            await pub.send_multipart([b"kv", next(seq).to_bytes(8, "big"), b"\0" * (2 << 20)])
             later = prompt_keys(after, BLOCK, 4.0).keys
             await _until(lambda: index.match(url, later) == 1, "a batch after it", lambda: send([2], after))
         finally:
