@@ -133,7 +133,8 @@ class Setup:
         )
         self.wait_ready("kvferry")
 
-    def doctor(self, cr: make_inference) -> tuple[int, list[str]]:
+    def doctor(self, cr: make_inference, *, by_name: bool = False) -> tuple[int, list[str]]:
+        """Run `kvferry doctor` on the CR as a file, or (by_name) created in the cluster and named."""
         obj = cr.obj()
         obj["metadata"]["namespace"] = self.ns
         for role in ("prefill", "decode"):  # the CR's pods may land only on this test's nodes
@@ -142,11 +143,13 @@ class Setup:
             part.setdefault("tolerations", []).append({"key": POOL, "operator": "Exists"})
         path = self.tmp / "cr.yaml"
         path.write_text(yaml.safe_dump(obj))
+        ref = [str(path)]
+        if by_name:
+            self.kubectl("-n", self.ns, "apply", "-f", str(path))
+            ref = [obj["metadata"]["name"], "-n", self.ns]
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            rc = cli.main(
-                [str(path), "--kubeconfig", str(self.plane.kubeconfig), "--addons-namespace", self.ns]
-            )
+            rc = cli.main([*ref, "--kubeconfig", str(self.plane.kubeconfig), "--addons-namespace", self.ns])
         return rc, out.getvalue().splitlines()
 
 
@@ -194,6 +197,8 @@ def test_a_healthy_p5en_cluster_passes_every_check(setup: Setup) -> None:
     rc, lines = setup.doctor(p5en())
     assert rc == 0 and not gaps(lines), "\n".join(lines)
     assert any(line.startswith("OK   nodes/prefill/vpc.amazonaws.com/efa") for line in lines), lines
+    rc, by_name = setup.doctor(p5en(), by_name=True)  # the CR as the cluster stores it
+    assert rc == 0 and by_name == lines, "\n".join(by_name)
 
 
 def test_missing_crd(setup: Setup, kvferry_crd: str) -> None:
