@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.contracts.params import prompt_tail
+from kvferry.router import bounded
 from kvferry.router.framing import EventFramer, events, frame
 from kvferry.router.sse import delta_has_output
 
@@ -127,8 +128,8 @@ class DecodeEcho:
         if not stripped.startswith(b"data:") or stripped[5:].strip() == b"[DONE]":
             return line
         try:
-            event = json.loads(stripped[5:])
-        except ValueError:
+            event = bounded.loads(stripped[5:], "an event")
+        except ValueError:  # BoundError too: nested past any parser's depth, relayed as it came
             return line
         if not isinstance(event, dict) or not isinstance(event.get("choices"), list):
             return line

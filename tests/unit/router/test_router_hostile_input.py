@@ -91,3 +91,11 @@ def test_an_aggregated_answer_is_bounded_and_a_malformed_event_is_an_error(
     with pytest.raises(ValueError, match="passed 1000 bytes"):
         for _ in range(100):
             big.feed(b'data: {"choices": [{"index": 0, "text": "xxxxxxxx"}]}\n\n')
+
+
+def test_decodes_events_nested_past_any_parser_are_relayed_not_raised() -> None:
+    from kvferry.router import early, sse
+
+    deep = b"data: " + b"[" * 100_000 + b"\n\n"  # json.loads raised RecursionError on it
+    assert sse.FirstEventScanner().feed(deep) is not None  # a verdict: relayed as it is
+    assert early.DecodeEcho(None, chat=False, want_ids=False).feed(deep) == deep
