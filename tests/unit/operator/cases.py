@@ -218,6 +218,21 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         make_inference("bad27", accelerator="p5en").kv(connector="vllm").decode(accelerator="p5").obj(),
         "spec.kvTransfer.connector",
     ),
+    # Model sources (spec/model_storage.py): a download nothing sized, a cache claim unnamed, bad URIs.
+    (
+        "hf-download-unsized-on-p5en",
+        make_inference("bad36", accelerator="p5en", model="hf://Qwen/Qwen3-32B").obj(),
+        "spec.modelStorage.size",
+    ),
+    (
+        "model-cache-claim-unnamed",
+        make_inference(
+            "bad37", model="hf://Qwen/Qwen3-0.6B", modelStorage={"cache": "persistentVolumeClaim"}
+        ).obj(),
+        "spec.modelStorage.claimName",
+    ),
+    ("pvc-model-climbs-out", make_inference("bad38", model="pvc://models/../etc").obj(), "spec.model"),
+    ("s3-model-bad-bucket", make_inference("bad39", model="s3://B").obj(), "spec.model"),
 ]
 
 VALID = {
