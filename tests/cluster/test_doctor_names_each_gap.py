@@ -255,6 +255,12 @@ def test_nodes_with_efa_only_through_dra_name_efa_attach_dra(setup: Setup) -> No
     the_gap(*setup.doctor(p5en()), "nodes/prefill/vpc.amazonaws.com/efa", "efaAttach: dra")
 
 
+def test_efa_device_plugin_and_dra_driver_on_one_node(setup: Setup) -> None:
+    setup.healthy_p5en()  # the node allocates vpc.amazonaws.com/efa: the device plugin runs there
+    setup.apply(*slices(setup.nodes[0], ALIGNED))  # ...and dra.net publishes its EFA devices too
+    the_gap(*setup.doctor(p5en()), "efa-managers/prefill", setup.nodes[0], "must not run on the same node")
+
+
 def test_device_plugin_that_does_not_tolerate_the_gpu_taint(setup: Setup) -> None:
     setup.healthy_p5en()
     setup.daemonset("aws-efa-k8s-device-plugin", "eks/aws-efa-k8s-device-plugin:v0.5.8", [])  # chart default

@@ -410,10 +410,34 @@ def _image_in(message: str) -> str:
     return message[start + 1 : end] if 0 <= start < end else "image"
 
 
+def check_efa_managers(needs: RoleNeeds, snap: Snapshot) -> list[Finding]:
+    """EKS: the EFA DRA driver must not run on the same node as the EFA device plugin."""
+    if EFA not in needs.devices and not needs.dra_claim:
+        return []
+    both = [
+        n["metadata"]["name"]
+        for n in _selected(snap.nodes, needs.node_selector)
+        if _allocatable(n, EFA) and _slice_devices(snap.slices, n["metadata"]["name"], EFA_DRIVER)
+    ]
+    if not both:
+        return []
+    keep = "EFA DRA driver" if needs.dra_claim else "EFA device plugin"
+    return [
+        Finding(
+            f"efa-managers/{needs.role}",
+            False,
+            f"both the EFA device plugin and the EFA DRA driver manage EFA on {', '.join(both)}; EKS "
+            "says they must not run on the same node",
+            f"keep only the {keep} on these nodes (the choice of spec.{needs.role}.efaAttach)",
+        )
+    ]
+
+
 def run_checks(needs: Needs, snap: Snapshot) -> list[Finding]:
     out = check_control_plane(snap)
     for role in needs.roles:
         out += check_nodes(role, snap)
+        out += check_efa_managers(role, snap)
         out += check_plugins(role, snap)
         out += check_scheduler(role, snap)
     out += check_crds(needs, snap)
