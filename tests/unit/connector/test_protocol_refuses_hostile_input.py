@@ -7,7 +7,7 @@ import pytest
 from kvferry.connector.actions import Failed, Reject, Release, SendFailure, StartWrite
 from kvferry.connector.identity import model_digest, tokens_digest
 from kvferry.connector.metrics import Metrics
-from kvferry.connector.protocol import MAX_SLOTS_PER_KEY, ConsumerCore, Limits, ProducerCore
+from kvferry.connector.protocol import MAX_SLOTS_PER_KEY, TICK_BUDGET, ConsumerCore, Limits, ProducerCore
 from kvferry.connector.wire import Done, Failure, Registration
 
 HEADS, TOKENS, KEY = 4, 40, ("r", 0)
@@ -143,3 +143,15 @@ def test_a_failure_reason_chosen_by_a_peer_is_labelled_other():
     m.record("failures", 1, "consumer", "deadline")
     m.record("failures", 1, "consumer", "x" * 200)
     assert [labels for _, labels, _ in m.take_journal()] == [["consumer", "deadline"], ["consumer", "other"]]
+
+
+def test_a_flood_that_expires_at_once_is_spread_over_rounds():
+    p = producer(registration_ttl_s=1.0, max_entries=4096)
+    for i in range(1000):
+        p.registration(reg(key=(f"u{i}", 0)), now=0.0, deadline=2.0 if i % 2 else 50.0)
+    rounds = []
+    while p.parked:
+        out = p.tick(now=5.0)
+        rounds.append(sum(isinstance(a, SendFailure) for a in out))
+    assert sum(rounds) == 1000 and max(rounds) <= 2 * TICK_BUDGET, rounds
+    assert not p._deadlines  # no entry of an unparked slot left behind
