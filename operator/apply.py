@@ -51,6 +51,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Deployment": ("/apis/apps/v1", "deployments"),
     # A role wider than one node (render/groups.py); the CRD comes with LWS, applied only when rendered.
     "LeaderWorkerSet": ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
+    # A role's EFA (and GPUs) through DRA (render/dra.py); applied only when rendered.
+    "ResourceClaimTemplate": ("/apis/resource.k8s.io/v1", "resourceclaimtemplates"),
     # A gang's pod group as Kueue admits it (status/gang.py reads it; Kueue's storage version since 0.15).
     "Workload": ("/apis/kueue.x-k8s.io/v1beta2", "workloads"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),

@@ -87,6 +87,31 @@ def test_p5en_pods_land_on_p5en_nodes_with_efa_and_the_cr_turns_ready(cluster, o
     assert revisions == {status["revision"]}
 
 
+def test_efa_through_dra_applies_the_claim_template_the_pods_name(cluster, operator) -> None:
+    """efaAttach: dra renders a ResourceClaimTemplate (render/dra.py); the operator applies it like
+    every object it makes, owned by the CR, and the role's pods claim from it."""
+    cr = make_inference("dr", accelerator="p5en").prefill(tensorParallelSize=2, efaAttach="dra").obj()
+    cluster.apply(cr)
+    cr["metadata"]["namespace"] = cluster.ns
+    (want,) = [o for o in render(cr).objects if o["kind"] == "ResourceClaimTemplate"]
+    name = want["metadata"]["name"]
+    got = wait_until(lambda: cluster.get("resourceclaimtemplate", name), f"ResourceClaimTemplate {name}")
+    (ref,) = got["metadata"]["ownerReferences"]
+    assert ref["uid"] == cluster.cr("dr")["metadata"]["uid"] and ref["controller"] is True
+
+    def requests(spec: dict) -> list[tuple]:  # the API server adds defaults (allocationMode, metadata)
+        devices = spec["spec"]["devices"]
+        asked = [
+            (r["name"], r["exactly"]["deviceClassName"], r["exactly"]["count"]) for r in devices["requests"]
+        ]
+        return asked + [(tuple(c["requests"]), c["matchAttribute"]) for c in devices["constraints"]]
+
+    assert requests(got["spec"]) == requests(want["spec"])
+    sts = wait_until(lambda: cluster.get("statefulset", "dr-prefill"), "prefill StatefulSet")
+    claims = sts["spec"]["template"]["spec"]["resourceClaims"]
+    assert [c["resourceClaimTemplateName"] for c in claims] == [name]
+
+
 def test_scale_decode_with_kubectl_scale_and_prefill_with_a_patch(cluster, operator) -> None:
     # No preset: pods request nothing, so 2 prefill + 3 decode fit the one small cpu node.
     cluster.apply(make_inference("s", accelerator="none", image="vllm:1").obj())

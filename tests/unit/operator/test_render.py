@@ -160,3 +160,14 @@ def test_rendered_kinds_are_the_ones_tests_and_benchmarks_count(accelerator: str
     kinds = {o["kind"] for o in render(builder.obj()).objects}
     assert kinds == set(RENDERED_KINDS)
     assert all(k in RESOURCES for k in RENDERED_KINDS)  # the operator's client knows each path
+
+
+def test_every_kind_any_render_makes_has_a_path_in_the_operators_client() -> None:
+    """Kinds rendered only by some specs (DRA claims, LeaderWorkerSets) are applied like the rest:
+    an apply of a kind the client has no path for fails the whole reconcile."""
+    from kvferry.operator.apply import RESOURCES
+
+    dra = make_inference("k", accelerator="p5en", image="i:1").prefill(tensorParallelSize=2, efaAttach="dra")
+    kinds = {o["kind"] for o in render(dra.decode(efaAttach="dra").obj()).objects}
+    assert "ResourceClaimTemplate" in kinds
+    assert kinds <= set(RESOURCES)
