@@ -233,11 +233,12 @@ def _named(exc: msgspec.ValidationError, root: str) -> WireError:
 
 
 # The layout's numbers (Meta bounds name the field and bound in the error)
-Heads = Annotated[int, msgspec.Meta(ge=1, le=MAX_HEADS)]
+# (upper bounds only where KVLayout refuses a value below 1 by name before it allocates anything)
+Heads = Annotated[int, msgspec.Meta(le=MAX_HEADS)]
 HeadIndex = Annotated[int, msgspec.Meta(ge=0, le=MAX_HEADS)]
-BlockSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
-HeadDim = Annotated[int, msgspec.Meta(ge=1, le=MAX_HEAD_DIM)]
-ElemBytes = Annotated[int, msgspec.Meta(ge=1, le=MAX_ELEM_BYTES)]
+BlockSize = Annotated[int, msgspec.Meta(le=MAX_BLOCK_SIZE)]
+HeadDim = Annotated[int, msgspec.Meta(le=MAX_HEAD_DIM)]
+ElemBytes = Annotated[int, msgspec.Meta(le=MAX_ELEM_BYTES)]
 Group = Annotated[int, msgspec.Meta(ge=0, lt=MAX_GROUPS)]
 TokenTable = Annotated[list[Int], msgspec.Meta(max_length=MAX_BLOCK_SIZE)]
 DimTable = Annotated[list[Int], msgspec.Meta(max_length=MAX_HEAD_DIM)]
@@ -285,7 +286,7 @@ def layout_from_wire(body: dict[str, Any], fingerprint: str | None = None) -> KV
         wire = msgspec.convert(body, _Layout)
     except msgspec.ValidationError as exc:
         raise _named(exc, _LAYOUT_PREFIX) from None
-    elements = len(wire.planes) * wire.num_heads * wire.block_size * wire.head_dim
+    elements = len(wire.planes) * max(wire.num_heads, 0) * max(wire.block_size, 0) * max(wire.head_dim, 0)
     if elements > MAX_BLOCK_ELEMENTS:  # before KVLayout builds (and sorts) that many offsets
         raise WireError(
             f"{_LAYOUT_PREFIX}: {len(wire.planes)} planes x {wire.num_heads} heads x {wire.block_size} "
