@@ -115,7 +115,7 @@ def test_prefill_keeps_the_window_decode_needs_even_when_chunked():
             )
 
 
-def _layout(block: int, windows: tuple[int, ...], num_blocks: int = 64) -> KVLayout:
+def _layout(block: int, windows: tuple[int, ...], num_blocks: int = 160) -> KVLayout:
     """Two layers: layer 0 in group 0 (windowed when windows[0]), layer 1 in group 1 (full)."""
     kw = dict(num_blocks=num_blocks, block_size=block, num_heads=2, head_dim=4, elem_bytes=4, dtype="float32")
     one = synthetic_layout("head_major", bases=[4096], **kw)
