@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any
 from kvferry.connector.config import KvferryConfig
 from kvferry.connector.endpoint import Endpoint, Key
 from kvferry.connector.identity import model_digest
-from kvferry.connector.kvcache import describe_kv_caches, read_elements
-from kvferry.connector.layout import KVLayout
+from kvferry.connector.kvcache import UnsupportedCacheError, describe_kv_caches, read_elements
+from kvferry.connector.layout import KVLayout, LayoutError
 from kvferry.connector.mapping import HOLE, missing_block
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.scheduler import Finished, KvferryMetadata
 from kvferry.connector.staging import HostStage
+from kvferry.contracts import termination
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 if TYPE_CHECKING:
@@ -62,6 +63,19 @@ def _record_event() -> Any:
     event = torch.cuda.Event()
     event.record()
     return event
+
+
+def refuse_at_start(why: str, log_path: Path = Path("/dev/termination-log")) -> None:
+    """Write why this engine cannot start to the container's termination log (Kubernetes keeps it in
+    the pod status; the operator makes it TransferHealthy=False, PreflightFailed), where one exists."""
+    log.error("kvferry: this engine cannot serve P/D: %s", why)
+    if not log_path.exists():  # not in a container (tests, local runs): the log line above says it
+        return
+    try:
+        with log_path.open("w") as out:
+            out.write((termination.PREFLIGHT_FAILED + why)[: termination.MAX_CHARS])
+    except OSError as exc:
+        log.warning("kvferry: could not write %s: %s", log_path, exc)
 
 
 class StepCost:
@@ -113,9 +127,15 @@ class KvferryWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Measure this rank's KV layout through vLLM's own attention backend (kvcache.py; refuses
         what it cannot place), register it with NIXL and start the endpoint thread."""
-        layout = describe_kv_caches(
-            kv_caches, self.vllm_config, self.kv_cache_config, tp_rank=self.tp_rank, tp_size=self.tp_size
-        )
+        try:
+            layout = describe_kv_caches(
+                kv_caches, self.vllm_config, self.kv_cache_config, tp_rank=self.tp_rank, tp_size=self.tp_size
+            )
+        except (UnsupportedCacheError, LayoutError) as exc:
+            # Only the running engine can tell (its backend, its KV groups, TP against the model's KV
+            # heads): say so where the operator reads it, instead of leaving a bare crash loop.
+            refuse_at_start(f"kv_layout: {exc}")
+            raise
         self._ratio = max(1, self.vllm_config.cache_config.block_size // layout.block_size)
         self._cache_layout, self._on_gpu = layout, layout.memory == "VRAM"
         buffer_device = getattr(self.vllm_config.kv_transfer_config, "kv_buffer_device", "cuda")

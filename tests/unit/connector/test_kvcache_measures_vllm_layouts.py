@@ -107,3 +107,24 @@ def test_groups_whose_kept_blocks_are_not_proven_are_refused_by_name():
     assert spec_window(SlidingWindowSpec(sliding_window=64, **common)) == 64
     # a windowed layer vLLM manages as full (hybrid allocator off) keeps every block
     assert spec_window(FullAttentionSpec(sliding_window=64, **common)) == 0
+
+
+def test_a_layout_refused_at_start_reaches_the_pod_status_as_preflight_failed(tmp_path):
+    """Only the running engine can tell (backend, KV groups, TP against the KV heads): the refusal is
+    the termination message the operator turns into PreflightFailed, not a bare crash loop."""
+    from kvferry.connector.worker import refuse_at_start
+    from kvferry.operator.status import podchecks
+    from kvferry.operator.status.conditions import Reason
+
+    log = tmp_path / "termination-log"
+    refuse_at_start("kv_layout: 8 KV heads cannot be split over tp_size=16", tmp_path / "absent")
+    assert not (tmp_path / "absent").exists()  # outside a container nothing is created
+    log.touch()
+    refuse_at_start("kv_layout: 8 KV heads cannot be split over tp_size=16", log)
+    message = log.read_text()
+    pod = {
+        "metadata": {"name": "x-decode-0", "labels": {"kvferry.io/role": "decode"}},
+        "status": {"containerStatuses": [{"lastState": {"terminated": {"exitCode": 1, "message": message}}}]},
+    }
+    found = podchecks.start_failure([pod])
+    assert found is not None and found[0] == Reason.PREFLIGHT_FAILED and "tp_size=16" in found[1]
