@@ -8,7 +8,7 @@
 - Shards: with KVFERRY_SHARD=i/n every handler, timer and index takes only the CRs `shard.owns`.
 - Indexes: the CRs, their workloads by role, and every managed object ("copies"), so a reconcile
   writes only what differs from the watch's copy. CRs and copies are packed (operator/packed.py), the
-  workloads trimmed to what status reads (`watched_copy`): memory at 1,000 CRs (issue 19).
+  workloads trimmed to what status reads (`watched_copy`): memory at 1,000 CRs.
 Handlers return None so kopf writes nothing into status; its progress lives in kvferry.io annotations.
 """
 
@@ -111,7 +111,7 @@ def watched_copy(body: Any) -> dict[str, Any]:
     metadata.generation, spec.template.metadata.labels), publish.desired_replicas (spec.replicas),
     publish.newer/_versions and the autoscaler (metadata.resourceVersion, spec.replicas,
     status.readyReplicas), the ownership gate (metadata.uid, ownerReferences: apply.not_controlled).
-    A whole StatefulSet is ~16 KiB parsed; this is ~1 (issue 19).
+    A whole StatefulSet is ~16 KiB parsed; this is ~1.
     """
     meta, spec = body["metadata"], body.get("spec") or {}
     keep_meta = ("name", "namespace", "uid", "resourceVersion", "generation", "labels", "ownerReferences")
@@ -273,7 +273,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
 
     # Indexes and the workload-event sorter are async on purpose: kopf runs sync handlers on its 8 threads,
     # where they would queue behind reconciles waiting on the API server, and every object's pending
-    # watch events (full bodies) would pile up meanwhile (issue 19: most of 1.1 GiB at 1,000 CRs).
+    # watch events (full bodies) would pile up meanwhile (most of 1.1 GiB at 1,000 CRs).
     @kopf.index(*CR, id="inferences", when=mine, registry=registry)
     async def inferences(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict:
         cr = _plain(body)

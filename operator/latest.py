@@ -3,7 +3,7 @@
 A workload event whose shape moved is compared with the render (drift) on a reconcile thread. kopf
 handles one object's events in order, so while that check waited for a thread (behind a wave of CR
 reconciles) the object's worker stood still and every later event of it queued behind, each a whole
-parsed body: in a creation wave, thousands (issue 19, docs/benchmarks.md "Memory at 1,000 CRs"). Here
+parsed body: in a creation wave, thousands (docs/benchmarks.md "Memory at 1,000 CRs"). Here
 the handler leaves its check and returns; at most `slots` checks run at once, and a check submitted
 while an older one of the same object still waits replaces it (the older event's body is let go: the
 newer one says everything the older one did, and a deletion is never replaced by an older event).

@@ -1,4 +1,4 @@
-"""Lean watch events: every object kopf's watches deliver, without metadata.managedFields (issue 19).
+"""Lean watch events: every object kopf's watches deliver, without metadata.managedFields.
 
 kopf parses each watch event into a whole body, queues it for the object's worker and keeps it while
 the handlers run; in a creation wave hundreds are alive at once (docs/benchmarks.md "Memory at 1,000

@@ -2,7 +2,7 @@
 
 The operator keeps a copy of every CR and managed object it watches (handlers.py's indexes) and of each
 CR as its last status write stored it (status/publish.py). Parsed, a copy is ~10x its JSON text in
-memory and the text ~4x its zlib; readers parse the copies of one CR at a time (issue 19: memory at
+memory and the text ~4x its zlib; readers parse the copies of one CR at a time (memory at
 1,000 CRs).
 """
 

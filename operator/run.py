@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # httpx logs every request at INFO: one line per CR per metrics tick, noise at fleet scale.
     logging.getLogger("httpx").setLevel(logging.DEBUG if verbose else logging.WARNING)
-    lean.install()  # watch events without managedFields: memory in a creation wave (issue 19)
+    lean.install()  # watch events without managedFields: memory in a creation wave
     registry = kopf.OperatorRegistry()
     handlers.register(registry, cfg)
     settings = kopf.OperatorSettings()

@@ -72,7 +72,7 @@ def _remember(kube: Kube, key: tuple[str, str], stored: Any) -> None:
         kept = {k: stored[k] for k in ("metadata", "spec", "status") if k in stored}
         # managedFields are never read from it and, after a few writers, most of a CR's size.
         kept["metadata"] = {k: v for k, v in stored["metadata"].items() if k != "managedFields"}
-        written[key] = pack(kept)  # packed: a parsed CR is ~10x its text (issue 19, memory per CR)
+        written[key] = pack(kept)  # packed: a parsed CR is ~10x its text (memory per CR)
         while len(written) > WRITTEN_MAX:  # bounded: the oldest entries go first
             del written[next(iter(written))]
 
