@@ -56,7 +56,9 @@ class DeviceKV:
         self.heads = split_heads(side.heads, tp_rank, side.tp_size)
         self.device = torch.device(side.device)
         elem = torch.empty((), dtype=self.dtype).element_size()
-        size = page_bytes(len(self.heads), side.block_size, side.head_dim, elem) * side.num_blocks * side.layers
+        size = (
+            page_bytes(len(self.heads), side.block_size, side.head_dim, elem) * side.num_blocks * side.layers
+        )
         self._store = torch.zeros(size + ALIGN, dtype=torch.int8, device=self.device)
         start = -self._store.data_ptr() % ALIGN
         self.raw = self._store[start : start + size]

@@ -14,16 +14,15 @@ import itertools
 import multiprocessing as mp
 import os
 import signal
-import threading
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.tools.gpucheck.devkv import ALIGN, DeviceKV, Side
+from kvferry.tools.gpucheck.devkv import DeviceKV, Side
+from kvferry.tools.gpucheck.raw import RawAgent
 
 GATE_TIMEOUT_S = 60.0
-DONE_TIMEOUT_S = 60.0
 _RAW_AGENTS = itertools.count(1)  # raw agent names are never reused: a peer may still hold the old one
 
 
@@ -42,7 +41,9 @@ class Rank:
     def __init__(self, spec: RankSpec, timeout_s: float = 120.0) -> None:
         ctx = mp.get_context("spawn")  # a clean interpreter: no inherited CUDA, NIXL or UCX state
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_child, args=(child, spec), name=f"gpucheck-{spec.role}-{spec.tp_rank}")
+        self.proc = ctx.Process(
+            target=_child, args=(child, spec), name=f"gpucheck-{spec.role}-{spec.tp_rank}"
+        )
         self.proc.start()
         child.close()
         self.port: int = self._reply(timeout_s)
@@ -62,7 +63,9 @@ class Rank:
         try:
             status, value = self.conn.recv()
         except EOFError:
-            raise RuntimeError(f"{self.proc.name} (pid {self.proc.pid}) exited: {self.proc.exitcode}") from None
+            raise RuntimeError(
+                f"{self.proc.name} (pid {self.proc.pid}) exited: {self.proc.exitcode}"
+            ) from None
         if status != "ok":
             raise RuntimeError(f"{self.proc.name}: {value}")
         return value
@@ -138,13 +141,15 @@ class RankState:
         ).start()  # fmt: skip
         self.gate: Any = None  # the event the current hand-off waits for
         self.posted: list[bool | None] = []  # per WRITE: had the gate event completed (None: no event)
-        post = self.ep.transport.write
+        transport = self.ep.transport
+        assert transport is not None, "the endpoint creates its transport before start() returns"
+        post = transport.write
 
         def measured(*a: Any, **kw: Any) -> Any:
             self.posted.append(None if self.gate is None else bool(self.gate.query()))
             return post(*a, **kw)
 
-        self.ep.transport.write = measured  # type: ignore[method-assign]
+        transport.write = measured  # type: ignore[method-assign]
         self._raw: RawAgent | None = None
 
     def close(self) -> None:
@@ -153,14 +158,16 @@ class RankState:
             self._raw.close()
 
     # ---- producer ----
-    def op_finish(self, request_id: str, blocks: list[int], num_tokens: int, consumer: str, gated: bool) -> None:
-        """Launch the KV write (behind a slow kernel on a GPU, so an ungated hand-off would post the
+    def op_finish(
+        self, request_id: str, blocks: list[int], num_tokens: int, consumer: str, gated: bool, busy_s: float
+    ) -> None:
+        """Launch the KV write behind `busy_s` of GPU work (so an ungated hand-off would post the
         WRITE before the KV is there), then hand over after its event (gated) or at once."""
         on_gpu = self.spec.side.device == "cuda"
         if on_gpu:
             import torch
 
-            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the write on this stream
+            torch.cuda._sleep(int(busy_s * 2e9))  # spin cycles: ~busy_s at the H200's ~2 GHz
         self.kv.fill(blocks, num_tokens)
         event = self.stage.to_host([blocks]) if self.stage else None
         if event is None and on_gpu:
@@ -227,70 +234,3 @@ class RankState:
 
     def op_raw_target(self, nbytes: int, repeats: int) -> tuple[bytes, int, int, str]:
         return self._new_raw(nbytes).serve(repeats)
-
-
-class RawAgent:
-    """A bare NIXL agent with one registered buffer: the baseline the connector's WRITEs are
-    compared with (one descriptor, the same bytes, the same memory kind and backend)."""
-
-    def __init__(self, name: str, nbytes: int, device: str) -> None:
-        import torch
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"], enable_listen_thread=False))
-        self._store = torch.ones(nbytes + ALIGN, dtype=torch.uint8, device=torch.device(device))
-        start = -self._store.data_ptr() % ALIGN
-        self.buf = self._store[start : start + nbytes]
-        self.mem = "VRAM" if self.buf.is_cuda else "DRAM"
-        self.addr, self.nbytes = self.buf.data_ptr(), nbytes
-        self.reg = self.agent.register_memory([(self.addr, nbytes, 0, "")], self.mem)
-        self._thread: threading.Thread | None = None
-
-    def serve(self, repeats: int) -> tuple[bytes, int, int, str]:
-        """Progress this agent (notifications) on a thread until every WRITE's notice arrived."""
-
-        def poll() -> None:
-            seen, end = 0, time.monotonic() + DONE_TIMEOUT_S * repeats
-            while seen < repeats and time.monotonic() < end:
-                seen += sum(len(v) for v in self.agent.get_new_notifs().values())
-                time.sleep(0.0002)
-
-        meta = self.agent.get_agent_metadata()
-        self._thread = threading.Thread(target=poll, daemon=True)
-        self._thread.start()
-        return meta, self.addr, self.nbytes, self.mem
-
-    def write(self, target: tuple[bytes, int, int, str], repeats: int) -> list[float]:
-        meta, addr, nbytes, mem = target
-        peer = self.agent.add_remote_agent(meta)
-        peer = peer.decode() if isinstance(peer, bytes) else peer
-        local = self.agent.get_xfer_descs([(self.addr, self.nbytes, 0)], self.mem)
-        remote = self.agent.get_xfer_descs([(addr, nbytes, 0)], mem)
-        out = []
-        for i in range(repeats):
-            handle = None
-            end = time.monotonic() + DONE_TIMEOUT_S
-            while handle is None:  # the peer's metadata may need a moment to wire up
-                try:
-                    handle = self.agent.initialize_xfer("WRITE", local, remote, peer, f"raw{i}".encode())
-                except Exception:
-                    if time.monotonic() > end:
-                        raise
-                    time.sleep(0.01)
-            t0 = time.perf_counter()
-            state = self.agent.transfer(handle)
-            while state not in ("DONE", "ERR"):
-                if time.monotonic() > end:
-                    raise TimeoutError(f"raw NIXL WRITE of {nbytes} bytes not done in {DONE_TIMEOUT_S}s")
-                state = self.agent.check_xfer_state(handle)
-            out.append(time.perf_counter() - t0)
-            self.agent.release_xfer_handle(handle)
-            if state == "ERR":
-                raise RuntimeError(f"raw NIXL WRITE of {nbytes} bytes failed")
-        return out
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._thread.join(DONE_TIMEOUT_S)
-            self._thread = None
-        self.agent.deregister_memory(self.reg)

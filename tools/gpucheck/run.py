@@ -52,25 +52,47 @@ class Outcome:
         return self.mismatches == 0 and self.received == ranks and self.gated == self.writes
 
 
-def cases(*, device: str, quick: bool, tokens: int, model: dict[str, int]) -> list[Case]:
+def cases(model: Side, *, quick: bool, tokens: int) -> list[Case]:
     """Each (backend, KV dtype, order) once as a producer, another order as its consumer (so every
-    order is on each side), TP splits and block sizes in rotation; then the staged pass."""
+    order is on each side), TP splits and block sizes in rotation; then the staged pass. `model`
+    gives the model's shape, the cache size and the device."""
+
+    def side(backend: str, order: str, bs: int, tp: int, dtype: str, staged: bool = False) -> Side:
+        return replace(model, backend=backend, order=order, block_size=bs, tp_size=tp, kv_dtype=dtype,
+                       staged=staged)  # fmt: skip
+
     out: list[Case] = []
     combos = [(b, dt, i) for b in BACKENDS for dt in DTYPES for i in range(len(ORDERS))]
     for k, (backend, dtype, i) in enumerate(combos):
         (ptp, dtp), (pbs, dbs) = TP_SPLITS[k % 3], BLOCK_PAIRS[(k // 3) % 4]
         other = BACKENDS[(BACKENDS.index(backend) + k) % 2]
-        p = Side(backend, ORDERS[i], pbs, ptp, dtype, device=device, **model)
-        d = Side(other, ORDERS[(i + 1 + k) % 4], dbs, dtp, dtype, device=device, **model)
+        p = side(backend, ORDERS[i], pbs, ptp, dtype)
+        d = side(other, ORDERS[(i + 1 + k // 4) % 4], dbs, dtp, dtype)
         out.append(Case(f"{p.describe()} -> {d.describe()} {dtype}", p, d, tokens, 3))
     for k, (backend, dtype) in enumerate((b, dt) for b in BACKENDS for dt in DTYPES):
         (ptp, dtp), (pbs, dbs) = TP_SPLITS[k % 3], BLOCK_PAIRS[k % 4]
-        p = Side(backend, ORDERS[k % 4], pbs, ptp, dtype, device=device, staged=True, **model)
-        d = Side(backend, ORDERS[(k + 2) % 4], dbs, dtp, dtype, device=device, staged=True, **model)
+        p = side(backend, ORDERS[k % 4], pbs, ptp, dtype, staged=True)
+        d = side(backend, ORDERS[(k + 2) % 4], dbs, dtp, dtype, staged=True)
         out.append(Case(f"{p.describe()} -> {d.describe()} {dtype} staged", p, d, tokens, 3))
-    if quick:  # each dtype, both backends, every order on each side, both TP splits, staged once
-        picks = [0, 5, 10, 15, 19, 22]
-        out = [out[i] for i in picks] + [out[-5]]
+    return cover(out) if quick else out
+
+
+def features(c: Case) -> set[tuple[str, object]]:
+    return {
+        ("p", c.p.backend), ("d", c.d.backend), ("p", c.p.order), ("d", c.d.order), ("dtype", c.p.kv_dtype),
+        ("tp", (c.p.tp_size, c.d.tp_size)), ("bs", (c.p.block_size, c.d.block_size)), ("staged", c.p.staged),
+    }  # fmt: skip
+
+
+def cover(todo: list[Case]) -> list[Case]:
+    """The fewest cases (greedy) that still have every backend and order on each side, every KV
+    dtype, TP split, block-size pair and both passes; the most covering first."""
+    left: set[tuple[str, object]] = set().union(*map(features, todo))
+    out: list[Case] = []
+    while left:
+        best = max(todo, key=lambda c: len(features(c) & left))
+        out.append(best)
+        left -= features(best)
     return out
 
 
@@ -129,8 +151,9 @@ def run_case(pool: Pool, case: Case, engine: int, *, control: bool = False) -> O
         )  # fmt: skip
         for c in cons:
             c.call("expect", rid, kw)
+        ungated = control and i > 0  # the control's first request connects the pair, gated
         for p in prods:
-            p.call("finish", rid, p_blocks, n, d_engine, not control)
+            p.call("finish", rid, p_blocks, n, d_engine, not ungated, 1.0 if ungated else 0.1)
         for c in cons:
             got = c.call("results", 60.0, 1, timeout_s=90.0)
             received += got["received"] == [(rid, 0)]
@@ -167,31 +190,48 @@ def line(o: Outcome) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvferry gpu-check", description=__doc__)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: DRAM caches, no GPU")
-    ap.add_argument("--quick", action="store_true", help="7 cases covering each dtype, order and TP split")
-    ap.add_argument("--tokens", type=int, default=0, help="tokens per request (default 1000 cuda, 100 cpu)")
-    ap.add_argument("--only", default="", help="run only cases whose name contains this")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="the fewest cases that still cover every backend, order, dtype, split and pass",
+    )
+    ap.add_argument("--tokens", type=int, default=0, help="tokens per request (default 512 cuda, 100 cpu)")
+    ap.add_argument(
+        "--only", default="", help="run only cases whose name contains one of these (comma-separated)"
+    )
+    ap.add_argument("--max-cases", type=int, default=0, help="run at most this many cases (the first ones)")
     args = ap.parse_args(argv)
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu-check: no CUDA device (torch.cuda.is_available() is False); use --device cpu", file=sys.stderr)
+        print(
+            "gpu-check: no CUDA device (torch.cuda.is_available() is False); use --device cpu",
+            file=sys.stderr,
+        )
         return 2
     gpu = args.device == "cuda"
-    model = dict(layers=8, heads=8, head_dim=128) if gpu else dict(layers=2, heads=4, head_dim=64)
-    tokens = args.tokens or (1000 if gpu else 100)
-    blocks = 2 + 3 * -(-tokens // 16) + 2
-    todo = [c for c in cases(device=args.device, quick=args.quick, tokens=tokens, model={**model, "num_blocks": blocks})
-            if args.only in c.name]  # fmt: skip
+    tokens = args.tokens or (512 if gpu else 100)
+    blocks = 2 + 3 * -(-tokens // 16) + 2  # three requests' blocks at 16 tokens, and unused ones around
+    layers, heads, head_dim = (8, 8, 128) if gpu else (2, 4, 64)
+    model = Side("", "", 16, 1, "", layers=layers, heads=heads, head_dim=head_dim, num_blocks=blocks,
+                 device=args.device)  # fmt: skip
+    wanted = [w for w in args.only.split(",") if w]
+    every = cases(model, quick=args.quick, tokens=tokens)
+    todo = [c for c in every if not wanted or any(w in c.name for w in wanted)]
+    todo = todo[: args.max_cases or None]
     if not todo:
         print(f"gpu-check: no case matches --only {args.only!r}", file=sys.stderr)
         return 2
     pool, failed, t0 = Pool(), 0, time.monotonic()
     try:
         if gpu:  # the gate's control: handed over at once, the WRITE must be seen posted too early
-            ctl = replace(todo[0], requests=1, name="gate control (ungated hand-off): " + todo[0].name)
+            ctl = replace(todo[0], requests=2, name="gate control (ungated hand-off): " + todo[0].name)
             o = run_case(pool, ctl, 0, control=True)
-            seen = "posted before the event: the measurement sees an ungated WRITE" if o.early else (
-                "NOT seen posted early: the gate measurement proves nothing on this machine")
+            seen = (
+                "posted before the event: the measurement sees an ungated WRITE"
+                if o.early
+                else ("NOT seen posted early: the gate measurement proves nothing on this machine")
+            )
             print(f"info {ctl.name}: {seen}", flush=True)
             failed += not o.early
         for i, case in enumerate(todo, start=1):

@@ -88,7 +88,9 @@ def flashinfer_write():
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FlashInferImpl")
     fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "do_kv_cache_update")
     src = textwrap.dedent(ast.get_source_segment(path.read_text(), fn))
-    ops = types.SimpleNamespace(_C_cache_ops=types.SimpleNamespace(reshape_and_cache_flash=reference_reshape_and_cache_flash))
+    ops = types.SimpleNamespace(
+        _C_cache_ops=types.SimpleNamespace(reshape_and_cache_flash=reference_reshape_and_cache_flash)
+    )
     ns: dict = {"torch": types.SimpleNamespace(Tensor=torch.Tensor, nn=torch.nn, ops=ops)}
     exec(compile(src, str(path), "exec"), ns)  # noqa: S102 - vLLM's own code, read from the installed file
     impl = types.SimpleNamespace(
@@ -129,7 +131,9 @@ def test_scatter_stores_the_bytes_vllms_write_stores(backend, order, dtype):
 def test_measured_layout_is_the_one_measured_through_vllm(order, dtype):
     shape = CacheShape(layers=2, heads=4, head_dim=DIM, num_blocks=BLOCKS, block_size=BS,
                        order=f"cuda/FLASH_ATTN/{order}", tp_size=2, dtype=dtype)  # fmt: skip
-    side = Side("FLASH_ATTN", order, BS, 2, dtype, layers=2, heads=4, head_dim=DIM, num_blocks=BLOCKS, device="cpu")
+    side = Side(
+        "FLASH_ATTN", order, BS, 2, dtype, layers=2, heads=4, head_dim=DIM, num_blocks=BLOCKS, device="cpu"
+    )
     theirs, mine = VllmKV(shape, 1).layout, DeviceKV(side, 1).layout
     skip = {"regions", "kind"}
     fields = [f.name for f in dataclasses.fields(mine) if f.init and f.name not in skip]
