@@ -9,8 +9,9 @@ import socket
 import time
 
 import pytest
-from kvferry.connector.sidechannel import fetch_peer
-from kvferry.connector.wire import Done, Registration, encode
+from kvferry.connector.sidechannel import SideChannelServer, fetch_peer
+from kvferry.connector.wire import Done, PeerInfo, Registration, encode
+from kvferry.router.promtext import metric_sum, parse_metrics
 from kvferry.tools.hostkv import CacheShape
 
 from tests.nixl.helpers import expect_args
@@ -122,6 +123,31 @@ def test_a_rank_speaks_only_for_itself_and_made_up_registrations_draw_one_handsh
                 target.accept()[0].close()
                 connected += 1
         assert connected <= 2, connected  # (the old producer connected to all 20)
+
+
+def test_a_peer_info_with_a_layout_past_every_bound_fails_one_write_and_nothing_else(procs, rogue):
+    # was: layout_from_wire built planes x heads x block_size x head_dim offsets on the endpoint
+    # thread (10^4 heads of 4,096 tokens x 4,096 dims: terabytes), the rank stalled or died
+    (prod,) = procs.start("producer", "prefill-0", SHAPE)
+    (cons,) = procs.start("consumer", "decode-0", SHAPE)
+    honest = fetch_peer("127.0.0.1", cons.port, 5.0).layout
+    huge = {**honest, "total_heads": 10_000, "num_heads": 10_000, "block_size": 4096, "head_dim": 4096}
+    huge["planes"] = [[0, list(range(4096)), list(range(4096))]] * 2
+    info = PeerInfo("decode-x", "decode-x/0/rogue", b"\0" * 64, 0, 1, "rogue", huge, "fp")
+    fake = SideChannelServer("127.0.0.1", 0, encode(info))
+    try:
+        prod.call("finish", "r1", 0, [4, 5, 6], 40, "decode-x")
+        name = rogue.add_remote_agent(fetch_peer("127.0.0.1", prod.port, 5.0).agent_metadata)
+        rogue.send_notif(name, encode(reg("r1", "decode-x", port=fake.address[1])))
+        pump(rogue)
+        assert prod.call("results", 20.0, 1)["released"] == [(("r1", 0), "failed")]
+        failed = metric_sum(parse_metrics(prod.call("metrics")), "kvferry_handshakes_total", result="failed")
+        assert failed >= 1 and fake.stats.served >= 1  # it fetched, refused the layout, went on
+    finally:
+        fake.close()
+    cons.call("expect", "r2", 0, expect_args(prod, [7, 8, 9], 40))  # the producer serves on
+    prod.call("finish", "r2", 0, [1, 2, 3], 40, "decode-0")
+    assert cons.call("results", 20.0, 1)["received"] == [("r2", 0)]
 
 
 def test_consumer_ignores_completion_from_an_engine_it_did_not_ask(procs, rogue):
