@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import socket
 import sys
 import time
@@ -201,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--max-cases", type=int, default=0, help="run at most this many cases (the first ones)")
     args = ap.parse_args(argv)
+    os.environ.setdefault(
+        "NIXL_LOG_LEVEL", "WARN"
+    )  # one line per case: no agent banners (children inherit it)
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
