@@ -13,7 +13,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("kvferry.local.demo", "main", "full stack on this machine: control plane, operator, vLLM P/D"),
     "transfer-demo": ("kvferry.tools.transfer_demo", "main", "two-process push transfer over real NIXL"),
-    "gpu-check": ("kvferry.tools.gpucheck.run", "main", "the connector's CUDA path on one GPU (torch + NIXL only)"),
+    "gpu-check": ("kvferry.tools.gpucheck.run", "main", "the connector's CUDA path on one GPU, no vLLM"),
     "router": ("kvferry.router.cli", "main", "OpenAI-compatible P/D router"),
     "bench": ("kvferry.tools.loadbench", "main", "TTFT/TPOT sweep against an OpenAI endpoint"),
     "serve": ("kvferry.tools.serve", "main", "start vLLM with kvferry's launch fixes"),
