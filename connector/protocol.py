@@ -63,7 +63,9 @@ class ProducerCore:
 
     Each input validates and computes first and mutates last, so an input that is refused (or a
     bug that raises) leaves no half-done entry behind. Lookups by request id go through indexes, so
-    a flood of registrations costs O(1) each, never a scan of every map."""
+    a flood of registrations costs O(1) each, never a scan of every map. Only the prefill's own
+    attempts (prefill_finished, prefill_aborted) supersede older ones: a registration's attempt is a
+    peer's number."""
 
     def __init__(
         self,
@@ -183,7 +185,9 @@ class ProducerCore:
             # A key has one slot per consumer rank of the engine the router chose; more are a flood
             # (every engine name an attacker makes up) that would make each look-up of the key a scan.
             return [Reject("overflow", f"{key}: {MAX_SLOTS_PER_KEY} registrations already parked")]
-        out = self._supersede_older(key, now)
+        # Only our own prefill's attempts supersede (prefill_finished, prefill_aborted): a registration
+        # naming attempt 10^18 must not release, or refuse, what the prefill of a live attempt holds.
+        out: list[Action] = []
         if now >= deadline:
             return out + [Reject("past_deadline", f"{key} registered after its deadline"),
                           self._fail(reg, "deadline")]  # fmt: skip

@@ -65,11 +65,25 @@ def test_old_attempt_never_matches_new_and_is_released():
     assert kinds(p.registration(reg(attempt=1), now=1.2)) == ["StartWrite"]
 
 
-def test_newer_registration_fails_the_consumer_of_an_older_parked_one():
+def test_a_newer_prefill_fails_the_consumer_of_an_older_parked_registration():
+    # Only the prefill's own attempts supersede: a registration naming a newer attempt parks beside
+    # the older one (a peer's attempt number never releases or refuses what a prefill holds).
     p = producer()
     p.registration(reg(attempt=0), now=0.0)
-    out = p.registration(reg(attempt=1), now=0.1)
+    assert not [a for a in p.registration(reg(attempt=1), now=0.1) if isinstance(a, SendFailure)]
+    out = p.prefill_finished(("r", 1), [[1]], 40, "d0", now=0.2)
     assert [a.reason for a in out if isinstance(a, SendFailure)] == ["superseded"]
+    assert "StartWrite" in kinds(out)
+
+
+def test_a_registration_naming_a_huge_attempt_supersedes_nothing():
+    p = producer()
+    p.prefill_finished(("r", 0), [[1]], 40, "d0", now=0.0)
+    p.registration(reg(attempt=10**18), now=0.1)
+    assert ("r", 0) in p.finished and kinds(p.registration(reg(attempt=0), now=0.2)) == ["StartWrite"]
+    p2 = producer()
+    p2.registration(reg(attempt=10**18), now=0.0)
+    assert kinds(p2.prefill_finished(("r", 0), [[1]], 40, "d0", now=0.1)) == []  # held, not superseded
 
 
 def test_duplicate_registration_is_rejected_not_acted_on():
