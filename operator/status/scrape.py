@@ -183,11 +183,13 @@ def scrape(
     with `nodes`, first label the engine pods with their nodes' network layers (network.py)."""
     meta, spec = cr["metadata"], cr.get("spec") or {}
     previous = cr.get("status") or {}
-    if not previous.get("revision"):
-        return []  # nothing rendered yet
-    pods = kube.list("Pod", meta["namespace"], {names.LABEL_NAME: names.fit(meta["name"])})
     workloads = _watched_or_read(kube, cr, watched)
     owners = role_owners(cr, workloads)
+    # Nothing rendered yet. A revision is not written while an apply reports a Conflict, yet the
+    # roles it did apply serve: their StatefulSets (the CR's own, by UID) are what counts.
+    if not previous.get("revision") and not owners:
+        return []
+    pods = kube.list("Pod", meta["namespace"], {names.LABEL_NAME: names.fit(meta["name"])})
     pods = engine_pods_of(pods, owners)
     if nodes is not None:
         network.label_pods(kube, pods, owners, nodes)

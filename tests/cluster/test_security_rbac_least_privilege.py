@@ -39,6 +39,8 @@ OPERATOR_ALLOWED = (
     | triples("apps", ("statefulsets/scale",), ("get", "patch"))
     # a role wider than one node is a LeaderWorkerSet (operator/render/groups.py); no list/watch
     | triples("leaderworkerset.x-k8s.io", ("leaderworkersets",), ("get", "create", "patch"))
+    # efaAttach: dra applies a role's ResourceClaimTemplate (operator/render/dra.py); no list/watch
+    | triples("resource.k8s.io", ("resourceclaimtemplates",), ("get", "create", "patch"))
     # gang kueue: GangAdmitted reads the pod group's Workload (operator/status/gang.py); get only
     | triples("kueue.x-k8s.io", ("workloads",), ("get",))
     | triples("", ("services", "configmaps", "serviceaccounts"), CRUD)
