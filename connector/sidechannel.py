@@ -122,6 +122,15 @@ class SideChannelServer:
         """Connections currently open (accepted and not yet closed)."""
         return len(self._clients)
 
+    @property
+    def answering(self) -> int:
+        """Connections whose request was read, being answered (never evicted as idle)."""
+        while True:
+            try:
+                return sum(c.out is not None for c in list(self._clients.values()))
+            except RuntimeError:  # the server thread changed the map meanwhile: look again
+                continue
+
     def close(self) -> None:
         """Stop serving, close every connection and the port; returns promptly, safe to repeat."""
         self._stop.set()

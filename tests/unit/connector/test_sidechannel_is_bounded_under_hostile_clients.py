@@ -172,7 +172,8 @@ def test_connections_beyond_the_cap_with_none_idle_are_closed_at_once_and_counte
             conn.connect(tuple(server.address))
             conn.sendall(REQUEST)
             busy.enter_context(conn)
-        wait_until(lambda: server.active, "active == 2", 5, 0.01, until=lambda n: n == 2)
+        # both requests read, not only accepted: a client still sending its request counts as idle
+        wait_until(lambda: server.answering, "answering == 2", 5, 0.01, until=lambda n: n == 2)
         with connect(server) as extra:  # closed at once (its 5 s timeout is below deadline_s)
             assert read_until_closed(extra) == b""
         wait_until(lambda: server.stats.refused, "refused == 1", 5, 0.01, until=lambda n: n == 1)
