@@ -26,13 +26,12 @@ import os
 from collections.abc import Iterator
 
 import httpx
-import numpy as np
 import pytest
 from kvferry.local.tinymodel import SHAPES, ensure
 from kvferry.router.promtext import metric_sum
 from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 
-from .pdclient import completion_body, kvferry_legs, top2_gaps
+from . import readback
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 READY_S = 600
@@ -102,58 +101,22 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             s.stop()
 
 
-def _reference(url: str) -> dict[int, tuple[list[int], list[float]]]:
-    out = {}
-    with httpx.Client(timeout=300) as client:
-        for n in LENGTHS:
-            resp = client.post(url + "/v1/completions", json={**completion_body(n), "logprobs": 2})
-            assert resp.status_code == 200, resp.text[:300]
-            choice = resp.json()["choices"][0]
-            out[n] = (choice["token_ids"], top2_gaps(choice))
-    return out
-
-
 async def _pd_batch(stack: dict) -> dict[int, tuple[str, list[int]]]:
     """Every length at once: all prefill and decode legs in flight together."""
-    p, d = stack["prefill"].spec, stack["decode"].spec
     async with httpx.AsyncClient(timeout=600) as client:
-
-        async def one(n: int) -> tuple[int, str, list[int]]:
-            prefill, decode, rid = kvferry_legs(
-                completion_body(n),
-                prefill_engine=p.engine_id,
-                prefill_side_port=p.side_port,
-                decode_engine=d.engine_id,
-            )
-            headers = {"X-Request-Id": rid}
-            p_resp, d_resp = await asyncio.gather(
-                client.post(stack["prefill"].url + "/v1/completions", json=prefill, headers=headers),
-                client.post(stack["decode"].url + "/v1/completions", json=decode, headers=headers),
-            )
-            assert p_resp.status_code == 200, p_resp.text[:300]
-            assert d_resp.status_code == 200, d_resp.text[:300]
-            return n, rid, d_resp.json()["choices"][0]["token_ids"]
-
-        done = await asyncio.gather(*(one(n) for n in LENGTHS))
-    return {n: (rid, ids) for n, rid, ids in done}
+        done = await asyncio.gather(*(readback.pd_request(client, stack, n) for n in LENGTHS))
+    return dict(zip(LENGTHS, done, strict=True))
 
 
 def _kv_equal(stack: dict, rid: str, n: int) -> int:
     """Decode's landed KV equals prefill's handed-over KV; returns the bytes compared (0: no transfer)."""
-    cons_path = stack["dumps"] / f"{rid}-0-consumer-h0.npy"
-    if stack["prefix"] and not cons_path.exists():
+    if stack["prefix"] and not (stack["dumps"] / f"{rid}-0-consumer-h0.npy").exists():
         return 0  # decode's own prefix cache held all it needed: nothing was pushed
-    prod = np.load(stack["dumps"] / f"{rid}-0-producer-h0.npy")
-    cons = np.load(cons_path)
-    assert cons.shape[3] >= n - 1 and prod.shape[3] >= cons.shape[3], (prod.shape, cons.shape)
-    tokens = cons.shape[3]
-    diff = np.argwhere((prod[:, :, :, :tokens] != cons).any(axis=-1))
-    assert diff.size == 0, f"{n} tokens: KV differs at (layer, plane, head, token, dim) {diff[:5].tolist()}"
-    return int(cons.size)
+    return readback.kv_equal(stack["dumps"], rid, n)
 
 
 def test_concurrent_batch_kv_and_outputs_equal_single(stack, capsys):
-    reference = _reference(stack["decode"].url)  # one at a time, nothing transferred yet
+    reference = readback.reference(stack["decode"].url, LENGTHS, 300)  # one at a time, nothing pushed yet
     before = stack["decode"].metrics()
     got = asyncio.run(_pd_batch(stack))
     compared, parted = 0, []
@@ -161,13 +124,8 @@ def test_concurrent_batch_kv_and_outputs_equal_single(stack, capsys):
         rid, ids = got[n]
         compared += _kv_equal(stack, rid, n)
         want, gaps = reference[n]
-        if ids != want:
-            at = next(i for i, (a, b) in enumerate(zip(want, ids, strict=False)) if a != b)
-            assert len(ids) == len(want) and gaps[at] <= stack["tie"], (
-                f"{stack['name']} {n} tokens: token {at} is {ids[at]}, single {want[at]} "
-                f"(top-2 gap {gaps[at]:.1e})"
-            )
-            parted.append(f"{n} tokens at {at} (gap {gaps[at]:.1e})")
+        if at := readback.parting(f"{stack['name']} {n} tokens", ids, want, gaps, stack["tie"]):
+            parted.append(at)
     after = stack["decode"].metrics()
     assert metric_sum(after, "kvferry_transfer_failures_total") == 0
     received = metric_sum(after, "kvferry_transfers_total", role="consumer") - metric_sum(

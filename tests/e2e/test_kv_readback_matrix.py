@@ -27,13 +27,12 @@ import os
 from collections.abc import Iterator
 
 import httpx
-import numpy as np
 import pytest
 from kvferry.local.tinymodel import SHAPES, ensure
 from kvferry.router.promtext import metric_sum
 from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 
-from .pdclient import completion_body, kvferry_legs, top2_gaps
+from . import readback
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 READY_S = 600
@@ -108,84 +107,30 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             s.stop()
 
 
-def _reference(url: str) -> dict[int, tuple[list[int], list[float]]]:
-    out = {}
-    with httpx.Client(timeout=180) as client:
-        for n in LENGTHS:
-            resp = client.post(url + "/v1/completions", json={**completion_body(n), "logprobs": 2})
-            assert resp.status_code == 200, resp.text[:300]
-            choice = resp.json()["choices"][0]
-            out[n] = (choice["token_ids"], top2_gaps(choice))
-    return out
-
-
 async def _pd(stack: dict, n: int) -> tuple[str, list[int]]:
-    p, d = stack["prefill"].spec, stack["decode"].spec
-    prefill, decode, rid = kvferry_legs(
-        completion_body(n),
-        prefill_engine=p.engine_id,
-        prefill_side_port=p.side_port,
-        decode_engine=d.engine_id,
-    )
     async with httpx.AsyncClient(timeout=180) as client:
-        headers = {"X-Request-Id": rid}
-        p_resp, d_resp = await asyncio.gather(
-            client.post(stack["prefill"].url + "/v1/completions", json=prefill, headers=headers),
-            client.post(stack["decode"].url + "/v1/completions", json=decode, headers=headers),
-        )
-    assert p_resp.status_code == 200, p_resp.text[:300]
-    assert d_resp.status_code == 200, d_resp.text[:300]
-    return rid, d_resp.json()["choices"][0]["token_ids"]
+        return await readback.pd_request(client, stack, n)
 
 
 async def _pd_all(stack: dict) -> dict[int, tuple[str, list[int]]]:
     """Every length at once (legs of all requests in flight together)."""
-    done = await asyncio.gather(*(_pd(stack, n) for n in LENGTHS))
+    async with httpx.AsyncClient(timeout=180) as client:
+        done = await asyncio.gather(*(readback.pd_request(client, stack, n) for n in LENGTHS))
     return dict(zip(LENGTHS, done, strict=True))
 
 
-def _check_kv(stack: dict, rid: str, n: int) -> None:
-    """KV read back: decode's blocks hold prefill's values, element by element."""
-    prod = np.load(stack["dumps"] / f"{rid}-0-producer-h0.npy")
-    cons = np.load(stack["dumps"] / f"{rid}-0-consumer-h0.npy")
-    assert cons.shape[3] >= n - 1 and prod.shape[3] >= cons.shape[3], (prod.shape, cons.shape)
-    tokens = cons.shape[3]
-    diff = np.argwhere((prod[:, :, :, :tokens] != cons).any(axis=-1))
-    assert diff.size == 0, f"{n} tokens: KV differs at (layer, plane, head, token, dim) {diff[:5].tolist()}"
-
-
-def _cons_size(stack: dict, rid: str) -> int:
-    return int(np.load(stack["dumps"] / f"{rid}-0-consumer-h0.npy", mmap_mode="r").size)
-
-
 def test_decode_cache_equals_prefill_cache_and_outputs_equal_single(stack, capsys):
-    reference = _reference(stack["decode"].url)  # before any P/D request: nothing transferred yet
+    reference = readback.reference(stack["decode"].url, LENGTHS, 180)  # before any P/D request
     before = stack["decode"].metrics()
     compared, parted = 0, []
-    for n in LENGTHS:
-        rid, got = asyncio.run(_pd(stack, n))
-        _check_kv(stack, rid, n)  # the consumer's blocks hold exactly the producer's values
-        compared += _cons_size(stack, rid)
-        # greedy output equals the single instance's, but at a reference tie
-        want, gaps = reference[n]
-        if got != want:
-            at = next(i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b)
-            assert len(got) == len(want) and gaps[at] <= stack["tie"], (
-                f"{stack['name']} {n} tokens: token {at} is {got[at]}, single {want[at]} "
-                f"(top-2 gap {gaps[at]:.1e})"
-            )
-            parted.append(f"{n} tokens at {at} (gap {gaps[at]:.1e})")
+    serial = [(n, *asyncio.run(_pd(stack, n)), "") for n in LENGTHS]
     # the same prompts again, all in flight at once: each request's KV still lands only in its own blocks
-    for n, (rid, got) in asyncio.run(_pd_all(stack)).items():
-        _check_kv(stack, rid, n)
-        compared += _cons_size(stack, rid)
-        want, gaps = reference[n]
-        if got != want:
-            at = next(i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b)
-            assert len(got) == len(want) and gaps[at] <= stack["tie"], (
-                f"{stack['name']} {n} tokens, concurrent: token {at} is {got[at]}, single {want[at]}"
-            )
-            parted.append(f"{n} tokens at {at}, concurrent (gap {gaps[at]:.1e})")
+    concurrent = [(n, rid, got, ", concurrent") for n, (rid, got) in asyncio.run(_pd_all(stack)).items()]
+    for n, rid, got, how in serial + concurrent:
+        compared += readback.kv_equal(stack["dumps"], rid, n)  # decode's blocks hold prefill's values
+        want, gaps = reference[n]  # greedy output equals the single instance's, but at a reference tie
+        if at := readback.parting(f"{stack['name']} {n} tokens{how}", got, want, gaps, stack["tie"]):
+            parted.append(at)
     after = stack["decode"].metrics()
     assert metric_sum(after, "kvferry_transfers_total", role="consumer") - metric_sum(
         before, "kvferry_transfers_total", role="consumer"
