@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "remove the operator's finalizer from CRs when the operator is gone",
     ),
     "generate": (
-        "kvferry.tools.generate",
+        "kvferry.codegen.generate",
         "main",
         "write (or --check) every generated file: CRDs, API reference, chart templates, install.yaml",
     ),

@@ -1,6 +1,6 @@
 """Status schema step: the shape of a DisaggregatedInference's status, for the CRD (status.py fills it).
 
-Kept apart from spec.py (the user's API) so each stays a readable size; crdgen.py reads both.
+Kept apart from spec.py (the user's API) so each stays a readable size; codegen/crdgen.py reads both.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Fixtures for the operator's cluster tests: the CRD installed, the operator's ServiceAccount bound to
-exactly the RBAC in operator/rbac.py, and `kvferry operator` run as a real subprocess per test.
+exactly the RBAC in codegen/rbac.py, and `kvferry operator` run as a real subprocess per test.
 
 The fixtures are registered for every test by `pytest_plugins` in tests/conftest.py: a test requests
 them by name and imports only the plain helpers it uses from here.
@@ -22,8 +22,9 @@ import pytest
 import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from kvferry.codegen import rbac
 from kvferry.local.controlplane.processes import reserve_ports
-from kvferry.operator import names, rbac
+from kvferry.operator import names
 from kvferry.operator.apply import RENDERED_KINDS, RESOURCES, Kube
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from kvferry.codegen import helm
 from kvferry.local.controlplane import ControlPlane
-from kvferry.tools import helm
 
 from tests.cluster.installkit import CHART, TEST_REGISTRY, get_json, helm_install, unique
 

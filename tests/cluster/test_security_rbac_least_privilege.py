@@ -1,6 +1,6 @@
 """What the operator's and the router's ServiceAccounts may do, asked of the real API server
 (SelfSubjectRulesReview as each account), compared with an allowed list written out here by hand:
-a new permission in operator/rbac.py or the router's Role fails this test until it is reviewed."""
+a new permission in codegen/rbac.py or the router's Role fails this test until it is reviewed."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import yaml
-from kvferry.tools.generate import crd_files
+from kvferry.codegen.generate import crd_files
 
 from tests.wheel import wheelkit
 

@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 import yaml
-from kvferry.operator import crdgen
+from kvferry.codegen import crdgen, generate, helm
 from kvferry.operator.render import images
-from kvferry.tools import generate, helm
 
 CHART = generate.ROOT / generate.CHART
 CRD_NAMES = {

@@ -4,10 +4,10 @@ the pods the operator renders for prefill and decode (labels from operator/names
 from __future__ import annotations
 
 import yaml
+from kvferry.codegen import generate, helm
 from kvferry.operator import names
 from kvferry.operator.render import images
 from kvferry.operator.render.objects import render as render_cr
-from kvferry.tools import generate, helm
 
 from tests.unit.operator.cases import make_inference
 

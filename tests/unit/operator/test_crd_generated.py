@@ -1,5 +1,5 @@
 """The committed CRD, API reference, chart templates and install.yaml are exactly what `kvferry generate`
-makes from operator/spec/, operator/rbac.py and the chart."""
+makes from operator/spec/, codegen/rbac.py and the chart."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 import yaml
-from kvferry.operator import crdgen, spec
-from kvferry.tools import generate
+from kvferry.codegen import crdgen, generate
+from kvferry.operator import spec
 
 
 def test_committed_files_equal_a_fresh_generation(capsys) -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import kopf
 import pytest
-from kvferry.operator import handlers, rbac
+from kvferry.codegen import rbac
+from kvferry.operator import handlers
 from kvferry.operator.config import OperatorConfig
 from kvferry.operator.drift import drifted, is_subset, quantity
 from kvferry.operator.render.objects import render

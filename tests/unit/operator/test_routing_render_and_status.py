@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from kvferry.operator.crdgen import PRINTER_COLUMNS
+from kvferry.codegen.crdgen import PRINTER_COLUMNS
 from kvferry.operator.render.objects import render
 from kvferry.operator.spec import SpecError, parse_spec
 from kvferry.operator.status import transfer as tm

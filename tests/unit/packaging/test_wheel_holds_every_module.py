@@ -15,7 +15,7 @@ import tomllib
 
 from tests.wheel import wheelkit
 
-PRODUCT = {"connector", "operator", "router", "contracts", "tools", "local", "cli"}
+PRODUCT = {"connector", "operator", "router", "contracts", "tools", "codegen", "local", "cli"}
 DOCS = {".md"}  # a folder's README is for readers of the repository, not for the installed package
 
 

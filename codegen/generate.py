@@ -1,12 +1,12 @@
 """`kvferry generate [--check]`: every generated file of the repository, in one run, sources first.
 
-1. crds/*.yaml and docs/api-reference.md from operator/spec/ (operator/crdgen.py);
-2. the chart's CRD templates (from step 1's CRDs, in memory) and RBAC rules (operator/rbac.py);
+1. crds/*.yaml and docs/api-reference.md from operator/spec/ (codegen/crdgen.py);
+2. the chart's CRD templates (from step 1's CRDs, in memory) and RBAC rules (codegen/rbac.py);
 3. manifests/install.yaml: the chart as step 2 leaves it, rendered by the real `helm template`;
 4. manifests/gitops/argocd-cm.yaml, the Argo CD patch carrying manifests/gitops/argocd-health.lua.
 
 `--check` generates the same in memory (helm renders a temporary copy of the chart) and exits 1 naming
-every file that differs, is missing, or is left over. Release artifacts, so this lives in tools/, not in
+every file that differs, is missing, or is left over. Release artifacts, so this lives in codegen/, not in
 the development-only kvferry.local: it runs from a checkout (--root) and in CI (scripts/test.sh).
 `--crds` prints step 1's CRDs alone, which needs no checkout: an install from the wheel applies them.
 """
@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kvferry.operator import crdgen, rbac
+from kvferry.codegen import chartgen, crdgen, helm, rbac
 from kvferry.operator.render import images
-from kvferry.tools import chartgen, helm
 
 ROOT = Path(__file__).resolve().parents[1]
 # Paths relative to the repository root.
@@ -66,12 +65,12 @@ def crd_files() -> dict[str, tuple[list[dict[str, Any]], str]]:
     """crds/<file> -> (its CRD documents, the source its header names)."""
     return {
         "disaggregatedinferences.yaml": ([crdgen.crd()], "operator/spec/"),
-        "kopf-peerings.yaml": (crdgen.peering_crds(), "operator/crdgen.py (kopf's peering kinds)"),
+        "kopf-peerings.yaml": (crdgen.peering_crds(), "codegen/crdgen.py (kopf's peering kinds)"),
     }
 
 
 def operator_rules() -> list[chartgen.Rule]:
-    """The operator's RBAC rules from its one list (kvferry.operator.rbac.RULES), split by scope."""
+    """The operator's RBAC rules from its one list (kvferry.codegen.rbac.RULES), split by scope."""
     out = []
     for groups, resources, verbs, why in rbac.RULES:
         by_scope: dict[str, list[str]] = {}

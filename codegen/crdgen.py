@@ -1,6 +1,6 @@
 """CRD generation step (pure): spec.py's dataclasses and rules -> the CRDs and the API reference text.
 
-`kvferry generate` (tools/generate.py) writes them to crds/*.yaml and docs/api-reference.md, together
+`kvferry generate` (codegen/generate.py) writes them to crds/*.yaml and docs/api-reference.md, together
 with the chart and manifests made from them; `kvferry generate --check` fails when one is stale.
 """
 
