@@ -10,11 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvferry.tools.pdclient import DEADLINE_S, HOST, SERVED_NAME
 from kvferry.tools.serve import KVFERRY_CONNECTOR, SERVER_MODULE, ServerSpec, kv_transfer_config
 
-SERVED_NAME = "tiny"
-HOST = "127.0.0.1"
-DEADLINE_S = 60.0
 CLI_MODULE = "vllm.entrypoints.cli.main"  # `vllm serve`, without needing the console script on PATH
 ATTENTION_ENV = "VLLM_ATTENTION_BACKEND"  # how older vLLM releases pick the backend
 KV_LAYOUT_ENV = "VLLM_KV_CACHE_LAYOUT"

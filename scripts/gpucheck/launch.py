@@ -10,9 +10,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from kvferry.tools.pdclient import HOST
 from kvferry.tools.serve import VllmProcess, free_port
 
-from .command import HOST, GpuServerSpec, server_command, server_env
+from .command import GpuServerSpec, server_command, server_env
 
 VLLM_LOG_RE = re.compile(r"KV cache layout|Using \S+ backend|attention backend", re.IGNORECASE)
 NOISE_RE = re.compile(r"kv_transfer_config|KVTransferConfig|non-default args", re.IGNORECASE)

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvferry.tools.pdclient import compare
+
 from .cases import Case
-from .traffic import compare
 
 
 @dataclass

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvferry.tools.pdclient import prompt_body, token_prompt
+
 from .cases import Case, groups
 from .command import ATTENTION_ENV, logging_config
 from .launch import GpuServer, Group, StartError, layout_lines, read_log, staged
@@ -21,7 +23,7 @@ from .model import build_model, model_shape
 from .probe import detect_attention_via, versions
 from .report import print_case, print_environment, print_summary, write_json
 from .results import CaseResult, case_checks, new_result, score_answers, staging_checks
-from .traffic import completion_body, pd_burst, pd_sequence, reference_outputs, token_prompt
+from .traffic import pd_burst, pd_sequence, reference_outputs
 
 Scrapes = tuple[dict[str, float], dict[str, float]]
 
@@ -35,7 +37,7 @@ def _sequential(
     args: argparse.Namespace,
 ) -> Scrapes:
     """One pair per prompt, one after the other, compared with the reference; returns the scrapes after."""
-    bodies = {k: completion_body(v, args.max_tokens) for k, v in prompts.items()}
+    bodies = {k: prompt_body(v, args.max_tokens) for k, v in prompts.items()}
     p0, d0 = p.metrics(), d.metrics()
     answers = asyncio.run(pd_sequence(p, d, bodies, args.request_timeout))
     completed = score_answers(result, answers, reference, args.tie_logprob)
@@ -48,7 +50,7 @@ def _sequential(
 def _burst(result: CaseResult, p: GpuServer, d: GpuServer, before: Scrapes, args: argparse.Namespace) -> None:
     """args.burst long-prompt pairs at once: the throughput line."""
     bodies = [
-        completion_body(token_prompt(args.burst_len, salt=i + 1), args.max_tokens) for i in range(args.burst)
+        prompt_body(token_prompt(args.burst_len, salt=i + 1), args.max_tokens) for i in range(args.burst)
     ]
     wall, answers = asyncio.run(pd_burst(p, d, bodies, args.request_timeout))
     failed = [a for a in answers if isinstance(a, Exception)]

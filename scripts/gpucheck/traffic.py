@@ -1,18 +1,17 @@
-"""The requests: deterministic token prompts, the reference outputs of the single server, P/D pairs
-carrying the contract's kvferry params (one after the other, or all at once), and output comparison."""
+"""The requests, sent: the reference outputs of the single server and P/D pairs carrying the contract's
+kvferry params, one after the other or all at once. Prompts, bodies, legs and the comparison are the
+P/D client's (kvferry.tools.pdclient), shared with the e2e tier."""
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import uuid
-from collections.abc import Mapping
 from typing import Any
 
-from kvferry.contracts.params import ConsumerParams, ProducerParams
+from kvferry.tools.pdclient import Body, pd_legs, prompt_body, top2_gaps
 
-from .command import DEADLINE_S, HOST, SERVED_NAME, GpuServerSpec
+from .command import GpuServerSpec
 from .launch import GpuServer
 
 
@@ -20,59 +19,17 @@ class RequestError(RuntimeError):
     pass
 
 
-def token_prompt(length: int, salt: int = 0) -> list[int]:
-    """A deterministic prompt of exactly `length` token ids above the special tokens."""
-    return [10 + (i * 7919 + length + salt * 104729) % 2000 for i in range(length)]
-
-
-def completion_body(prompt: list[int], max_tokens: int, logprobs: int | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": SERVED_NAME,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": False,
-        "return_token_ids": True,
-    }
-    if logprobs:
-        body["logprobs"] = logprobs
-    return body
-
-
-def pd_legs(
-    body: dict[str, Any], rid: str, *, producer: GpuServerSpec, consumer: GpuServerSpec, attempt: int = 0
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(prefill leg, decode leg) carrying the contract's kvferry params (kvferry.contracts.params)."""
-    p = ProducerParams(rid, attempt, consumer.engine_id, DEADLINE_S)
-    d = ConsumerParams(rid, attempt, producer.engine_id, HOST, producer.side_port, 1, DEADLINE_S)
-    prefill = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": p.kv_transfer_params()}
-    decode = {**body, "kv_transfer_params": d.kv_transfer_params()}
-    return prefill, decode
-
-
-def top2_gaps(choice: Mapping[str, Any]) -> list[float]:
-    """Per generated position of a completions choice: best minus second-best logprob."""
-    tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
-    out = []
-    for t in tops:
-        values = sorted((t or {}).values(), reverse=True)
-        out.append(values[0] - values[1] if len(values) > 1 else math.inf)
-    return out
-
-
-def compare(want: list[int], got: list[int] | None, gaps: list[float], tie: float = 0.0) -> tuple[str, str]:
-    """('equal' | 'tie' | 'differs', detail). 'tie': the outputs part where the reference's top-2
-    logprobs are within `tie` (0 = strict: any difference differs)."""
-    if got == want:
-        return "equal", ""
-    got = got or []
-    at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
-    if at is None:
-        return "differs", f"{len(got)} tokens, reference {len(want)}"
-    gap = gaps[at] if at < len(gaps) else math.inf
-    detail = f"token {at} is {got[at]}, reference {want[at]} (reference top-2 gap {gap:.1e})"
-    return ("tie" if tie > 0 and gap <= tie else "differs"), detail
+def spec_legs(body: Body, rid: str, *, producer: GpuServerSpec, consumer: GpuServerSpec) -> tuple[Body, Body]:
+    """(prefill leg, decode leg) of request `rid` from P's and D's server specs."""
+    if producer.engine_id is None or producer.side_port is None or consumer.engine_id is None:
+        raise ValueError("a P/D pair needs P's engine id and side port and D's engine id")
+    return pd_legs(
+        body,
+        rid,
+        prefill_engine=producer.engine_id,
+        prefill_side_port=producer.side_port,
+        decode_engine=consumer.engine_id,
+    )
 
 
 async def _post(client: Any, url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> dict:
@@ -90,14 +47,14 @@ async def reference_outputs(
     out = {}
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         for key, prompt in prompts.items():
-            choice = await _post(client, url, completion_body(prompt, max_tokens, logprobs=2))
+            choice = await _post(client, url, prompt_body(prompt, max_tokens, logprobs=2))
             out[key] = {"token_ids": choice.get("token_ids") or [], "gaps": top2_gaps(choice)}
     return out
 
 
 async def pd_pair(client: Any, p: GpuServer, d: GpuServer, body: dict[str, Any]) -> dict:
     rid = uuid.uuid4().hex
-    prefill, decode = pd_legs(body, rid, producer=p.gspec, consumer=d.gspec)
+    prefill, decode = spec_legs(body, rid, producer=p.gspec, consumer=d.gspec)
     headers = {"X-Request-Id": rid}
     _, choice = await asyncio.gather(
         _post(client, p.url, prefill, headers), _post(client, d.url, decode, headers)

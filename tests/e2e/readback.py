@@ -10,8 +10,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-
-from .pdclient import completion_body, kvferry_legs, top2_gaps
+from kvferry.tools.pdclient import completion_body, kvferry_legs, top2_gaps
 
 
 def reference(url: str, lengths: Iterable[int], timeout_s: float) -> dict[int, tuple[list[int], list[float]]]:

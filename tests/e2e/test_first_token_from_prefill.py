@@ -13,9 +13,10 @@ from typing import Any
 import httpx
 import pytest
 from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.tools.pdclient import TIE_LOGPROB, compare_greedy
 from kvferry.tools.pdstack import PdStack
 
-from .pdclient import TIE_LOGPROB, compare_greedy, requests
+from .pdclient import requests
 
 # Last of the shared pair's tests (breaks=True): it leaves the fixed prompts in decode's prefix cache,
 # where the KV-over-NIXL checks of the other tests must not find them.

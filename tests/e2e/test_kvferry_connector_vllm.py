@@ -12,12 +12,11 @@ import json
 import httpx
 import pytest
 from kvferry.router.promtext import metric_sum
+from kvferry.tools.pdclient import completion_body, kvferry_legs
 from kvferry.tools.pdstack import PdStack, RouterProcess
 from kvferry.tools.serve import VllmProcess, free_port
 
 from tests.waiting import wait_until
-
-from .pdclient import completion_body, kvferry_legs
 
 # Start-up of three vLLM servers on a shared 2-core box can exceed the suite-wide 600 s timeout.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800), pytest.mark.shared_stack("kvferry")]

@@ -16,12 +16,11 @@ from typing import Any
 import httpx
 import pytest
 from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.tools.pdclient import completion_body
 from kvferry.tools.pdstack import PdStack
 from kvferry.tools.serve import VllmProcess
 
 from tests.waiting import wait_until
-
-from .pdclient import completion_body
 
 # Setup starts vLLM servers: on a shared 2-core host that alone can take minutes.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800), pytest.mark.shared_stack("vllm-push", breaks=True)]

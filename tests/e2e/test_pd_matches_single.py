@@ -19,11 +19,12 @@ from typing import Any
 import httpx
 import pytest
 from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.tools.pdclient import compare_greedy
 from kvferry.tools.pdstack import PdStack, kvferry_connector_available
 
 from tests.e2e.shared_stack import acquire
 
-from .pdclient import PROMPT_LENGTHS, compare_greedy, outputs, requests
+from .pdclient import PROMPT_LENGTHS, outputs, requests
 
 # Setup starts vLLM servers: on a shared 2-core host that alone can take minutes.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]

@@ -32,11 +32,10 @@ import numpy as np
 import pytest
 from kvferry.local.tinymodel import SHAPES, ensure
 from kvferry.router.promtext import metric_sum
+from kvferry.tools.pdclient import completion_body, kvferry_legs, top2_gaps
 from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 
 from tests.waiting import wait_until
-
-from .pdclient import completion_body, kvferry_legs, top2_gaps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 READY_S = 600

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from kvferry.contracts.params import CONSUMER, PRODUCER, ConsumerParams, ProducerParams, parse, wants_transfer
+from kvferry.tools.pdclient import compare, prompt_body, token_prompt, top2_gaps
 
 from scripts.gpucheck.cases import groups, matrix, parse_pairs
 from scripts.gpucheck.cli import build_parser, dry_run, main, parse_args
@@ -32,7 +33,7 @@ from scripts.gpucheck.model import shape_overrides
 from scripts.gpucheck.probe import attention_via_from_help, cuda_mismatch, stack_problems
 from scripts.gpucheck.report import print_case, print_summary
 from scripts.gpucheck.results import CaseResult, case_checks, new_result, staging_checks
-from scripts.gpucheck.traffic import compare, completion_body, pd_legs, token_prompt, top2_gaps
+from scripts.gpucheck.traffic import spec_legs
 
 SCRIPT = Path(__file__).parents[3] / "scripts" / "gpu_check.py"
 
@@ -155,9 +156,9 @@ def test_logging_config_makes_the_kvferry_logger_visible() -> None:
 
 
 def test_request_pair_carries_the_kvferry_contract() -> None:
-    body = completion_body(token_prompt(17), 16)
+    body = prompt_body(token_prompt(17), 16)
     assert len(body["prompt"]) == 17 and body["temperature"] == 0 and body["return_token_ids"]
-    prefill, decode = pd_legs(
+    prefill, decode = spec_legs(
         body, "r1", producer=spec(), consumer=spec(role="decode", engine_id="d-0", side_port=5601)
     )
     assert prefill["max_tokens"] == 1 and decode["max_tokens"] == 16
