@@ -47,10 +47,9 @@ from typing import Any
 from kubernetes import client
 from kvferry.local.controlplane import ControlPlane
 from kvferry.local.controlplane.processes import reserve_ports
-from kvferry.operator import names
-from kvferry.operator.apply import RENDERED_KINDS, Kube, KubeError
+from kvferry.operator.reconcile.apply import RENDERED_KINDS, Kube, KubeError
 from kvferry.operator.render.objects import render
-from kvferry.operator.spec import GROUP, PLURAL, VERSION
+from kvferry.operator.spec import GROUP, PLURAL, VERSION, names
 from operator_bench_report import table
 
 ROOT = Path(__file__).resolve().parents[1]

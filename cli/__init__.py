@@ -21,9 +21,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "inject": ("kvferry.tools.inject", "main", "copy the connector into DIR for a stock vLLM image"),
     "render": ("kvferry.operator.render.cli", "main", "print the objects a DisaggregatedInference makes"),
     "doctor": ("kvferry.tools.doctor.cli", "main", "what a DisaggregatedInference needs from the cluster"),
-    "operator": ("kvferry.operator.run", "main", "run the operator (kopf)"),
+    "operator": ("kvferry.operator.runtime.run", "main", "run the operator (kopf)"),
     "release-finalizers": (
-        "kvferry.operator.finalizers",
+        "kvferry.operator.runtime.finalizers",
         "main",
         "remove the operator's finalizer from CRs when the operator is gone",
     ),

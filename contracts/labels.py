@@ -1,6 +1,6 @@
 """Label keys on what the operator renders, read by the router and the connector (contracts.md §3).
 
-The operator writes them (operator/names.py re-exports them beside its own keys); the router pairs
+The operator writes them (operator/spec/names.py re-exports them beside its own keys); the router pairs
 prefill and decode by REVISION; the connector rejects peers whose revision (the same value, passed in
 kv_connector_extra_config) differs.
 """

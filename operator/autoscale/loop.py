@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from kvferry.operator import names
-from kvferry.operator.apply import Kube, KubeError, NotControlled, not_controlled, now_iso
 from kvferry.operator.autoscale import writer
 from kvferry.operator.autoscale.planner import Decision, History, Plan, plan
 from kvferry.operator.autoscale.signals import EngineSample, Scrape, Window, parse_engine, window
-from kvferry.operator.config import OperatorConfig
-from kvferry.operator.spec import SpecError, parse_spec
+from kvferry.operator.reconcile.apply import Kube, KubeError, NotControlled, not_controlled, now_iso
+from kvferry.operator.runtime.config import OperatorConfig
+from kvferry.operator.spec import SpecError, names, parse_spec
 from kvferry.operator.spec.autoscaling import Autoscaling
 from kvferry.operator.status.publish import Watched, no_watch, write_status
 from kvferry.operator.status.scrape import Fetch, engine_pods_of, metrics_urls

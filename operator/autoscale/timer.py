@@ -1,6 +1,6 @@
 """Autoscale handlers: the kopf timer that runs one evaluation per autoscaled CR, and its clean-up.
 
-Registered from operator/handlers.py (`register`), beside the transfer-status timer and at its
+Registered from operator/runtime/handlers.py (`register`), beside the transfer-status timer and at its
 interval (KVFERRY_METRICS_INTERVAL); only CRs with `spec.autoscaling` get the timer.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import kopf
 from kvferry.operator.autoscale.loop import Autoscaler
-from kvferry.operator.config import OperatorConfig
+from kvferry.operator.runtime.config import OperatorConfig
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 from kvferry.operator.status.publish import Watched
 

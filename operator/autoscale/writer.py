@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from kvferry.operator import names
-from kvferry.operator.apply import Kube
-from kvferry.operator.selfmetrics import AUTOSCALE_DESIRED as DESIRED
+from kvferry.operator.reconcile.apply import Kube
+from kvferry.operator.runtime.selfmetrics import AUTOSCALE_DESIRED as DESIRED
+from kvferry.operator.spec import names
 
 
 def publish_desired(namespace: str, cr_name: str, role: str, replicas: int) -> None:

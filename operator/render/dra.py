@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvferry.operator import names
+from kvferry.operator.spec import names
 
 API_VERSION = "resource.k8s.io/v1"  # DRA is GA since Kubernetes 1.34
 GPU_CLASS = "gpu.nvidia.com"

@@ -14,7 +14,6 @@ from typing import Any
 import jinja2
 import yaml
 from kvferry.contracts import pods, versions
-from kvferry.operator import names
 from kvferry.operator.render import (
     dra,
     groups,
@@ -27,7 +26,7 @@ from kvferry.operator.render import (
     security,
 )
 from kvferry.operator.render.presets import PodPlan, merge
-from kvferry.operator.spec import GROUP, KIND, VERSION, Role, Spec, SpecError, parse_spec
+from kvferry.operator.spec import GROUP, KIND, VERSION, Role, Spec, SpecError, names, parse_spec
 
 DEFAULT_ROUTER_IMAGE = images.operator_image()  # the operator image also holds the router
 PRESTOP_SECONDS = 10

@@ -12,8 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvferry.operator import names
-from kvferry.operator.spec import EFA_ACCELERATORS, Spec, SpecError
+from kvferry.operator.spec import EFA_ACCELERATORS, Spec, SpecError, names
 
 ZONE = "topology.kubernetes.io/zone"
 # EKS labels nodes of instance types with EC2 instance topology with the network node above them at

@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.contracts import pods
-from kvferry.operator import names
 from kvferry.operator.render import placement, routing
 from kvferry.operator.render.presets import PodPlan
-from kvferry.operator.spec import Spec
+from kvferry.operator.spec import Spec, names
 
 ROUTER_API_KEY_ENV = "KVFERRY_ROUTER_API_KEY"
 # vLLM, torch, triton, HF and Neuron write caches; with a read-only root they land in one emptyDir.

@@ -6,7 +6,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.operator.flags import OWNED_FLAGS, SHORT_ALIASES, cel_no_owned_flags, owned_flags_in
 from kvferry.operator.spec.autoscaling import Autoscaling
 from kvferry.operator.spec.constants import (
     ACCELERATOR_FAMILIES,
@@ -19,6 +18,7 @@ from kvferry.operator.spec.constants import (
     MULTI_NODE_ACCELERATORS,
     NEURON_ACCELERATORS,
 )
+from kvferry.operator.spec.flags import OWNED_FLAGS, SHORT_ALIASES, cel_no_owned_flags, owned_flags_in
 from kvferry.operator.spec.model_storage import CEL_RULES as MODEL_RULES
 from kvferry.operator.spec.podinputs import (
     QUANTITY_MESSAGE,

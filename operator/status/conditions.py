@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from kvferry.operator import names
+from kvferry.operator.spec import names
 
 
 class ConditionType(str, Enum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvferry.operator.apply import Kube, KubeError
+from kvferry.operator.reconcile.apply import Kube, KubeError
 from kvferry.operator.render.placement import gang_group
 from kvferry.operator.spec import Spec, SpecError, parse_spec
 from kvferry.operator.status import admission

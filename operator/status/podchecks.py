@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.contracts import termination
-from kvferry.operator import names
+from kvferry.operator.spec import names
 from kvferry.operator.status.conditions import Reason
 
 # The prefixes connector/preflight.py and tools/inject.py write (kvferry.contracts.termination).

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from kvferry.operator import names
-from kvferry.operator.apply import Kube, KubeError, now_iso
-from kvferry.operator.packed import pack, unpack
+from kvferry.operator.fleet.packed import pack, unpack
+from kvferry.operator.reconcile.apply import Kube, KubeError, now_iso
+from kvferry.operator.spec import names
 from kvferry.operator.status import conditions as status
 from kvferry.operator.status.conditions import Observed, Verdict
 

@@ -20,11 +20,12 @@ from typing import Any
 
 import httpx
 import msgspec
-from kvferry.operator import names, network, selfmetrics
-from kvferry.operator.apply import Kube, not_controlled, now_iso
-from kvferry.operator.config import OperatorConfig, check_template
-from kvferry.operator.reconcile import Event
-from kvferry.operator.spec import EFA_ACCELERATORS
+from kvferry.operator.reconcile import network
+from kvferry.operator.reconcile.apply import Kube, not_controlled, now_iso
+from kvferry.operator.reconcile.steps import Event
+from kvferry.operator.runtime import selfmetrics
+from kvferry.operator.runtime.config import OperatorConfig, check_template
+from kvferry.operator.spec import EFA_ACCELERATORS, names
 from kvferry.operator.status import conditions as status
 from kvferry.operator.status import gang, landed, podchecks, remedies
 from kvferry.operator.status import transfer as transfer_metrics

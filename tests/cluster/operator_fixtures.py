@@ -24,9 +24,8 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from kvferry.codegen import rbac
 from kvferry.local.controlplane.processes import reserve_ports
-from kvferry.operator import names
-from kvferry.operator.apply import RENDERED_KINDS, RESOURCES, Kube
-from kvferry.operator.spec import GROUP, PLURAL, VERSION
+from kvferry.operator.reconcile.apply import RENDERED_KINDS, RESOURCES, Kube
+from kvferry.operator.spec import GROUP, PLURAL, VERSION, names
 
 from tests.waiting import wait_until
 

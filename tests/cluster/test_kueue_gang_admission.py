@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from kvferry.local.controlplane import ControlPlane
 from kvferry.local.controlplane.kueue import Kueue
-from kvferry.operator import names
+from kvferry.operator.spec import names
 
 from tests.cluster import on_demand
 from tests.cluster.operator_fixtures import WAIT_S

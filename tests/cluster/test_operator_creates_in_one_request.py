@@ -9,7 +9,7 @@ import copy
 import json
 
 import pytest
-from kvferry.operator.apply import NotControlled
+from kvferry.operator.reconcile.apply import NotControlled
 from kvferry.operator.render.objects import render
 
 from tests.cluster.operator_fixtures import OPERATOR_NAMESPACE

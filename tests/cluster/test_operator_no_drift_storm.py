@@ -20,7 +20,7 @@ RESOURCES = {"requests": {"cpu": "8000m", "memory": "65536Mi"}, "limits": {"memo
 
 def _applies(port: int) -> int:
     """Server-side applies the operator made: PATCHes of what it renders. Not the CR's status, and not
-    the one-off label copy onto each engine pod (operator/network.py), which its metrics timer makes
+    the one-off label copy onto each engine pod (operator/reconcile/network.py), which its metrics timer makes
     whenever it first sees the pod bound: on a loaded host that can fall inside the flips."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return sum(

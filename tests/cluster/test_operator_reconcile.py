@@ -8,8 +8,8 @@ import json
 import signal
 
 import pytest
-from kvferry.operator import names
 from kvferry.operator.render.objects import render
+from kvferry.operator.spec import names
 
 from tests.cluster.operator_fixtures import EXPECTED_KINDS, kinds_of
 from tests.unit.operator.cases import make_inference

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from kvferry.operator.drift import is_subset
+from kvferry.operator.reconcile.drift import is_subset
 
 from tests.unit.operator.hostile_cases import HOSTILE_INVALID, HOSTILE_VALID
 

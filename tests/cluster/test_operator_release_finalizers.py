@@ -8,7 +8,7 @@ import subprocess
 import time
 
 from kubernetes import client
-from kvferry.operator.finalizers import FINALIZERS, OPERATOR_SELECTOR
+from kvferry.operator.runtime.finalizers import FINALIZERS, OPERATOR_SELECTOR
 from kvferry.operator.spec import GROUP, PLURAL, VERSION
 
 from tests.cluster.operator_fixtures import exists

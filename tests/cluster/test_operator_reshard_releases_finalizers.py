@@ -8,8 +8,8 @@ finalizers.py `stale`); without that the CRs, and their namespace, would stay Te
 from __future__ import annotations
 
 from kubernetes.client.rest import ApiException
-from kvferry.operator.handlers import shard_finalizer
-from kvferry.operator.shard import shard_of
+from kvferry.operator.runtime.handlers import shard_finalizer
+from kvferry.operator.runtime.shard import shard_of
 
 from tests.unit.operator.cases import make_inference
 from tests.waiting import wait_until

@@ -14,8 +14,9 @@ from typing import Any
 
 import yaml
 from kvferry.contracts import versions
-from kvferry.operator import names, reconcile
-from kvferry.operator.config import OperatorConfig
+from kvferry.operator.reconcile import steps
+from kvferry.operator.runtime.config import OperatorConfig
+from kvferry.operator.spec import names
 
 from tests.cluster.operator_fixtures import OPERATOR_NAMESPACE
 from tests.unit.operator.cases import make_inference
@@ -26,7 +27,7 @@ OLD, NEW = "registry.example/kvferry/operator:0.1.0", "registry.example/kvferry/
 
 def _reconcile(cluster, kube, injector: str) -> str:
     cfg = OperatorConfig(router_image=injector, operator_namespace=OPERATOR_NAMESPACE)
-    out = reconcile.reconcile(kube, cluster.cr(NAME), cfg, trigger="update")
+    out = steps.reconcile(kube, cluster.cr(NAME), cfg, trigger="update")
     assert not (out.failed or out.conflict or out.invalid), out
     return cluster.cr(NAME)["status"]["revision"]
 

@@ -1,5 +1,5 @@
 """Scale out (issue 19): two operator replicas on the real API server, each serving its shard of the CRs
-(`--shard 0/2`, `--shard 1/2`, operator/shard.py). Every CR is reconciled, and each replica's own
+(`--shard 0/2`, `--shard 1/2`, operator/runtime/shard.py). Every CR is reconciled, and each replica's own
 metrics show it reconciled exactly the CRs of its shard: none twice, none by both, none left out."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import urllib.request
 
 from kvferry.local.controlplane.processes import reserve_ports
-from kvferry.operator.shard import shard_of
+from kvferry.operator.runtime.shard import shard_of
 
 from tests.unit.operator.cases import make_inference
 from tests.waiting import wait_until

@@ -7,12 +7,12 @@ StatefulSet is still scaled."""
 from __future__ import annotations
 
 import pytest
-from kvferry.operator import reconcile
-from kvferry.operator.apply import KubeError, NotControlled
 from kvferry.operator.autoscale import writer
 from kvferry.operator.autoscale.loop import Autoscaler
-from kvferry.operator.config import OperatorConfig
-from kvferry.operator.network import NodeLayers
+from kvferry.operator.reconcile import steps
+from kvferry.operator.reconcile.apply import KubeError, NotControlled
+from kvferry.operator.reconcile.network import NodeLayers
+from kvferry.operator.runtime.config import OperatorConfig
 from kvferry.operator.status import scrape
 
 from tests.cluster.operator_fixtures import OPERATOR_NAMESPACE
@@ -73,7 +73,7 @@ def test_a_cr_never_scales_or_labels_what_another_team_named_like_its_objects(cl
     )
     cluster.apply(autoscaled.obj())
     cfg = OperatorConfig(operator_namespace=OPERATOR_NAMESPACE)
-    out = reconcile.reconcile(operator_kube, cluster.cr("db"), cfg, trigger="create")
+    out = steps.reconcile(operator_kube, cluster.cr("db"), cfg, trigger="create")
     assert "StatefulSet db-prefill exists and is not" in out.conflict, out
     assert cluster.get("statefulset", "db-decode")["metadata"]["ownerReferences"][0]["name"] == "db"
     # No revision after a Conflict: the autoscaler and the metrics timer wait for one.
@@ -112,7 +112,7 @@ def test_engine_pods_of_the_crs_own_statefulset_are_labelled(cluster, operator_k
     """The positive side of the same gate: a pod the CR's own StatefulSet controls gets its labels."""
     cluster.apply(make_inference("own", accelerator="p5en").obj())
     cfg = OperatorConfig(operator_namespace=OPERATOR_NAMESPACE)
-    out = reconcile.reconcile(operator_kube, cluster.cr("own"), cfg, trigger="create")
+    out = steps.reconcile(operator_kube, cluster.cr("own"), cfg, trigger="create")
     assert not out.conflict and not out.failed, out
     _bound(cluster, "own-prefill-0")
     scrape.scrape(operator_kube, cluster.cr("own"), cfg, lambda url: None, nodes=NodeSays())

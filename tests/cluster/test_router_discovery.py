@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import yaml
-from kvferry.operator import names
+from kvferry.operator.spec import names
 from kvferry.router.config import parse_config
 from kvferry.router.discovery import KubernetesDiscovery
 
@@ -50,7 +50,7 @@ def _node(cluster, name: str) -> dict:
 
 def test_engine_pods_carry_their_nodes_network_layers_and_the_router_sees_them(cluster, operator) -> None:
     """EKS puts the EC2 network-node labels on nodes only; the operator copies them onto the engine pods
-    (operator/network.py), the router's discovery reads them as each engine's place, and status says
+    (operator/reconcile/network.py), the router's discovery reads them as each engine's place, and status says
     which bottom-layer network nodes each role landed on."""
     cluster.apply(make_inference("spine", accelerator="p5en").obj())
     cluster.wait_ready("spine")

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 from kvferry.local.controlplane.processes import reserve_ports
-from kvferry.operator import names
+from kvferry.operator.spec import names
 from kvferry.router.promtext import metric_sum, parse_metrics
 
 from tests.cluster import agent_nodes

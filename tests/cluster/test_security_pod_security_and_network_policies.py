@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client
-from kvferry.operator.drift import is_subset
+from kvferry.operator.reconcile.drift import is_subset
 from kvferry.operator.render.objects import render
 
 from tests.unit.operator.cases import make_inference

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client, config
-from kvferry.operator import names
 from kvferry.operator.render.objects import render
+from kvferry.operator.spec import names
 
 from tests.unit.operator.cases import make_inference
 
@@ -28,7 +28,7 @@ def triples(group: str, resources: tuple[str, ...], verbs: tuple[str, ...]) -> s
 OPERATOR_ALLOWED = (
     triples("apiextensions.k8s.io", ("customresourcedefinitions",), READ)
     | triples("", ("namespaces",), READ)
-    # create: the operator makes its own peering object at start-up (operator/peering.py)
+    # create: the operator makes its own peering object at start-up (operator/runtime/peering.py)
     | triples("kopf.dev", ("clusterkopfpeerings", "kopfpeerings"), (*READ, "create", "patch"))
     | triples("", ("events",), ("create",))
     | triples("events.k8s.io", ("events",), ("create",))
@@ -49,7 +49,7 @@ OPERATOR_ALLOWED = (
     | triples("networking.k8s.io", ("networkpolicies",), CRUD)
     | triples("", ("secrets",), ("get",))  # existence check, metadata only; never list/watch
     | triples("", ("pods",), READ)
-    # the EC2 network-node labels of an engine pod's node, copied onto the pod (operator/network.py)
+    # the EC2 network-node labels of an engine pod's node, copied onto the pod (operator/reconcile/network.py)
     | triples("", ("pods",), ("patch",))
     | triples("", ("nodes",), ("get",))
     | triples("discovery.k8s.io", ("endpointslices",), READ)

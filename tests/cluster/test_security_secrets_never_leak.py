@@ -9,7 +9,7 @@ import secrets
 
 import pytest
 from kubernetes import client
-from kvferry.operator import names
+from kvferry.operator.spec import names
 
 from tests.unit.operator.cases import make_inference
 from tests.waiting import wait_until

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kvferry.operator.drift import is_subset
+from kvferry.operator.reconcile.drift import is_subset
 from kvferry.operator.render.objects import render
 
 from tests.unit.operator.cases import make_inference

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from kvferry.local.controlplane.processes import reserve_ports
-from kvferry.operator import names
+from kvferry.operator.spec import names
 
 from tests.unit.operator.cases import make_inference
 from tests.waiting import wait_until

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvferry.operator import names
 from kvferry.operator.render import dra
 from kvferry.operator.render.objects import render
+from kvferry.operator.spec import names
 
 GPU = "nvidia.com/gpu"
 EFA = "vpc.amazonaws.com/efa"

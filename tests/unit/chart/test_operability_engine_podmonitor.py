@@ -1,13 +1,13 @@
 """The optional engine PodMonitor (real `helm template`): off by default, and when on it selects exactly
-the pods the operator renders for prefill and decode (labels from operator/names.py), on port http."""
+the pods the operator renders for prefill and decode (labels from operator/spec/names.py), on port http."""
 
 from __future__ import annotations
 
 import yaml
 from kvferry.codegen import generate, helm
-from kvferry.operator import names
 from kvferry.operator.render import images
 from kvferry.operator.render.objects import render as render_cr
+from kvferry.operator.spec import names
 
 from tests.unit.operator.cases import make_inference
 

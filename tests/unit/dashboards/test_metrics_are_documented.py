@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from kvferry.connector.metrics import Metrics
-from kvferry.operator import selfmetrics
+from kvferry.operator.runtime import selfmetrics
 from kvferry.router.metrics import RouterMetrics
 from prometheus_client import CollectorRegistry
 

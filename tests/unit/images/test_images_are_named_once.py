@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kvferry.operator.config import OperatorConfig
 from kvferry.operator.render import images
 from kvferry.operator.render.objects import render
+from kvferry.operator.runtime.config import OperatorConfig
 
 from tests.unit.operator.cases import make_inference
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from kvferry.operator.apply import APPLY_ATTEMPTS, Kube, KubeError, NotControlled
+from kvferry.operator.reconcile.apply import APPLY_ATTEMPTS, Kube, KubeError, NotControlled
 
 OURS = {"apiVersion": "kvferry.io/v1alpha1", "kind": "DisaggregatedInference", "name": "x", "uid": "cr"}
 FIELD_CONFLICT = {"details": {"causes": [{"reason": "FieldManagerConflict"}]}}

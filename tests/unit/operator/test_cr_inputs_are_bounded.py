@@ -6,7 +6,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
-from kvferry.operator.drift import is_subset, quantity
+from kvferry.operator.reconcile.drift import is_subset, quantity
 from kvferry.operator.render.objects import render
 from kvferry.operator.spec import SpecError, parse_spec
 from kvferry.operator.spec.podinputs import RESERVED_ENV

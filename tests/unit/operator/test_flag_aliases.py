@@ -12,7 +12,7 @@ import io
 from typing import Any
 
 import pytest
-from kvferry.operator.flags import OWNED_FLAGS, SHORT_ALIASES, owned_flag, owned_flags_in
+from kvferry.operator.spec.flags import OWNED_FLAGS, SHORT_ALIASES, owned_flag, owned_flags_in
 
 from tests.unit.operator.cases import VALID
 

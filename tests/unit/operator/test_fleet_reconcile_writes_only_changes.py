@@ -8,13 +8,14 @@ import copy
 from typing import Any
 
 import pytest
-from kvferry.operator import names, reconcile
-from kvferry.operator.apply import NotControlled, not_ours
-from kvferry.operator.changes import Change, Changes
-from kvferry.operator.config import OperatorConfig, check_shard
-from kvferry.operator.drift import up_to_date
+from kvferry.operator.fleet.changes import Change, Changes
+from kvferry.operator.reconcile import steps
+from kvferry.operator.reconcile.apply import NotControlled, not_ours
+from kvferry.operator.reconcile.drift import up_to_date
 from kvferry.operator.render.objects import render
-from kvferry.operator.shard import owns, shard_of
+from kvferry.operator.runtime.config import OperatorConfig, check_shard
+from kvferry.operator.runtime.shard import owns, shard_of
+from kvferry.operator.spec import names
 
 from tests.unit.operator.cases import make_inference
 
@@ -74,8 +75,8 @@ def _cr() -> dict[str, Any]:
     return cr
 
 
-def _reconcile(kube: CountingKube, trigger: str) -> reconcile.Outcome:
-    return reconcile.reconcile(kube, copy.deepcopy(kube.cr), CFG, trigger=trigger, stored=kube.stored)
+def _reconcile(kube: CountingKube, trigger: str) -> steps.Outcome:
+    return steps.reconcile(kube, copy.deepcopy(kube.cr), CFG, trigger=trigger, stored=kube.stored)
 
 
 def test_first_reconcile_creates_each_object_in_one_request_then_nothing_is_rewritten() -> None:
@@ -177,7 +178,7 @@ def test_sharded_replicas_elect_leaders_in_separate_peerings() -> None:
 
 def test_a_replica_marks_only_its_own_shards_crs_as_handled_and_keeps_its_own_finalizer() -> None:
     import kopf
-    from kvferry.operator.handlers import ShardDiffBaseStorage, shard_finalizer
+    from kvferry.operator.runtime.handlers import ShardDiffBaseStorage, shard_finalizer
 
     crs = [("ns", f"cr-{i}") for i in range(20)]
     for index in (0, 1):

@@ -9,8 +9,10 @@ import json
 from typing import Any
 
 import pytest
-from kvferry.operator import handlers, names, packed
+from kvferry.operator.fleet import packed
 from kvferry.operator.render.objects import render
+from kvferry.operator.runtime import handlers
+from kvferry.operator.spec import names
 from kvferry.operator.status.conditions import Observed, summarize
 from kvferry.operator.status.publish import desired_replicas, newer
 

@@ -1,13 +1,13 @@
-"""operator/network.py: an engine pod gets its node's EC2 network-node labels (only those, only on the
-CR's own bound engine pods, by the UID of the CR's StatefulSet), each node is read once per TTL, and a
-failed read neither raises nor stops the other pods."""
+"""operator/reconcile/network.py: an engine pod gets its node's EC2 network-node labels (only those, only
+on the CR's own bound engine pods, by the UID of the CR's StatefulSet), each node is read once per TTL,
+and a failed read neither raises nor stops the other pods."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvferry.operator import network
-from kvferry.operator.apply import KubeError
+from kvferry.operator.reconcile import network
+from kvferry.operator.reconcile.apply import KubeError
 
 L1, L2, L3 = (f"topology.k8s.aws/network-node-layer-{i}" for i in (1, 2, 3))
 NODES = {

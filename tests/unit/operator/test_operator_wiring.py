@@ -9,11 +9,11 @@ from pathlib import Path
 import kopf
 import pytest
 from kvferry.codegen import rbac
-from kvferry.operator import handlers
-from kvferry.operator.config import OperatorConfig
-from kvferry.operator.drift import drifted, is_subset, quantity
+from kvferry.operator.reconcile.drift import drifted, is_subset, quantity
 from kvferry.operator.render.objects import render
-from kvferry.operator.run import parse
+from kvferry.operator.runtime import handlers
+from kvferry.operator.runtime.config import OperatorConfig
+from kvferry.operator.runtime.run import parse
 
 from tests.unit.operator.cases import make_inference
 
@@ -132,7 +132,7 @@ def test_indexes_and_the_event_sorter_run_on_the_event_loop_not_the_reconcile_th
 
 
 def test_every_setting_is_documented() -> None:
-    from kvferry.operator.config import describe
+    from kvferry.operator.runtime.config import describe
 
     text = (Path(__file__).resolve().parents[3] / "docs/operator.md").read_text()
     missing = [env for _, env, _, _ in describe() if f"`{env}`" not in text]

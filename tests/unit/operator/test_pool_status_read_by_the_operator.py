@@ -7,8 +7,8 @@ import json
 from typing import Any
 
 from kvferry.contracts.pods import POOL_METRICS_PATH
-from kvferry.operator import names
-from kvferry.operator.config import OperatorConfig
+from kvferry.operator.runtime.config import OperatorConfig
+from kvferry.operator.spec import names
 from kvferry.operator.status import scrape
 
 PREFILL = 'kvferry_transfers_total{backend="UCX"} 12.0\n'

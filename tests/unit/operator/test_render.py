@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvferry.operator import names
 from kvferry.operator.render.objects import render
+from kvferry.operator.spec import names
 
 from tests.unit.operator.cases import make_inference
 
@@ -152,7 +152,7 @@ def test_names_are_truncated_to_63_with_a_hash() -> None:
 
 @pytest.mark.parametrize("accelerator", ["cpu", "p5en", "trn2", "none"])
 def test_rendered_kinds_are_the_ones_tests_and_benchmarks_count(accelerator: str) -> None:
-    from kvferry.operator.apply import RENDERED_KINDS, RESOURCES
+    from kvferry.operator.reconcile.apply import RENDERED_KINDS, RESOURCES
 
     builder = make_inference("k", accelerator=accelerator, image="i:1")
     if accelerator == "trn2":  # Neuron runs the upstream connector in pull mode only (rules.py)
@@ -165,7 +165,7 @@ def test_rendered_kinds_are_the_ones_tests_and_benchmarks_count(accelerator: str
 def test_every_kind_any_render_makes_has_a_path_in_the_operators_client() -> None:
     """Kinds rendered only by some specs (DRA claims, LeaderWorkerSets) are applied like the rest:
     an apply of a kind the client has no path for fails the whole reconcile."""
-    from kvferry.operator.apply import RESOURCES
+    from kvferry.operator.reconcile.apply import RESOURCES
 
     dra = make_inference("k", accelerator="p5en", image="i:1").prefill(tensorParallelSize=2, efaAttach="dra")
     kinds = {o["kind"] for o in render(dra.decode(efaAttach="dra").obj()).objects}

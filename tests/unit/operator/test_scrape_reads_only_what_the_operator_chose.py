@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from kvferry.operator.config import OperatorConfig, check_template
+from kvferry.operator.runtime.config import OperatorConfig, check_template
 from kvferry.operator.status.scrape import http_fetcher, metrics_urls
 
 TEMPLATE = "http://{pod_ip}:{port}/metrics"

@@ -3,8 +3,8 @@ serving replica's own are stale (kopf removes only its own name); a live CR keep
 
 from __future__ import annotations
 
-from kvferry.operator.finalizers import stale
-from kvferry.operator.handlers import shard_finalizer
+from kvferry.operator.runtime.finalizers import stale
+from kvferry.operator.runtime.handlers import shard_finalizer
 
 
 def _cr(finalizers: list[str], deleting: bool = True) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvferry.operator import names
+from kvferry.operator.spec import names
 from kvferry.operator.status.conditions import (
     ConditionType,
     Observed,

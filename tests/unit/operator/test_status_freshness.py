@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvferry.operator import names
-from kvferry.operator.apply import KubeError
+from kvferry.operator.reconcile.apply import KubeError
+from kvferry.operator.spec import names
 from kvferry.operator.status.conditions import ConditionType, Observed, condition, summarize
 from kvferry.operator.status.publish import freshest, newer, write_observed_status
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvferry.operator import names, reconcile
-from kvferry.operator.apply import KubeError
-from kvferry.operator.config import OperatorConfig
+from kvferry.operator.reconcile import steps
+from kvferry.operator.reconcile.apply import KubeError
+from kvferry.operator.runtime.config import OperatorConfig
+from kvferry.operator.spec import names
 from kvferry.operator.status import scrape
 from kvferry.operator.status.conditions import DEGRADED_ORDER, ConditionType, Reason, condition
 
@@ -104,10 +105,10 @@ class FakeKube:
 
     # the three writers, as the handlers call them
     def reconcile(self) -> None:
-        reconcile.reconcile(self, copy.deepcopy(self.cr), CFG, trigger="resync", watched=self.watched)
+        steps.reconcile(self, copy.deepcopy(self.cr), CFG, trigger="resync", watched=self.watched)
 
     def refresh(self) -> None:
-        reconcile.refresh_status(self, copy.deepcopy(self.cr), self.watched)
+        steps.refresh_status(self, copy.deepcopy(self.cr), self.watched)
 
     def tick(self, text: str) -> None:
         scrape.scrape(self, copy.deepcopy(self.cr), CFG, lambda url: text, self.watched)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from kvferry.operator import coalesce
-from kvferry.operator.coalesce import Coalescer
+from kvferry.operator.fleet import coalesce
+from kvferry.operator.fleet.coalesce import Coalescer
 
 from tests.waiting import wait_until
 

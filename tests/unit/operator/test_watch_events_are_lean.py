@@ -1,4 +1,4 @@
-"""Watch events reach kopf's queues without managedFields (operator/lean.py, issue 19 memory).
+"""Watch events reach kopf's queues without managedFields (operator/runtime/lean.py, issue 19 memory).
 
 kopf's own watch loop (`infinite_watch` -> `continuous_watch` -> listing and watch stream) runs here
 with only its two API calls fed recorded answers: what comes out is what kopf's workers queue.
@@ -13,7 +13,7 @@ from typing import Any
 import kopf
 from kopf._cogs.clients import fetching, watching
 from kopf._cogs.structs import references
-from kvferry.operator import lean
+from kvferry.operator.runtime import lean
 
 MANAGED = [{"manager": "kvferry", "operation": "Apply", "fieldsV1": {"f:data": {"f:a": {}}}}]
 

@@ -1,5 +1,5 @@
 """A workload check that waits for a reconcile thread no longer holds its object's kopf worker
-(operator/latest.py, issue 19 memory): the handler returns at once, at most `slots` checks run, and a
+(operator/fleet/latest.py, issue 19 memory): the handler returns at once, at most `slots` checks run, and a
 waiting check is replaced by a newer one of the same object."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from typing import Any
 
 import kopf
 import pytest
-from kvferry.operator import handlers, reconcile
-from kvferry.operator.changes import Changes
-from kvferry.operator.config import OperatorConfig
-from kvferry.operator.latest import Latest
-from kvferry.operator.packed import pack
+from kvferry.operator.fleet.changes import Changes
+from kvferry.operator.fleet.latest import Latest
+from kvferry.operator.fleet.packed import pack
+from kvferry.operator.reconcile import steps
+from kvferry.operator.runtime import handlers
+from kvferry.operator.runtime.config import OperatorConfig
 
 from tests.unit.operator.cases import make_inference
 
@@ -109,12 +110,12 @@ def test_the_owned_handler_returns_while_its_check_waits_and_the_newest_event_is
     }
     release, checked = threading.Event(), []
 
-    def on_owned_change(kube: Any, cr: Any, cfg: Any, *, obj: Any, **_: Any) -> reconcile.Outcome:
+    def on_owned_change(kube: Any, cr: Any, cfg: Any, *, obj: Any, **_: Any) -> steps.Outcome:
         release.wait(10)  # a reconcile thread busy on the API server
         checked.append(obj["spec"]["replicas"])
-        return reconcile.Outcome()
+        return steps.Outcome()
 
-    monkeypatch.setattr(reconcile, "on_owned_change", on_owned_change)
+    monkeypatch.setattr(steps, "on_owned_change", on_owned_change)
 
     def sts(replicas: int) -> dict:
         meta = {"name": "p", "namespace": "ns", "uid": "sts-uid", "ownerReferences": [ref], "labels": {}}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from kvferry.operator.apply import Kube, NotControlled, not_controlled, not_ours
+from kvferry.operator.reconcile.apply import Kube, NotControlled, not_controlled, not_ours
 
 
 def _obj(name: str, uid: str, owner_uid: str | None = None, kind: str = "StatefulSet") -> dict[str, Any]:

@@ -37,8 +37,7 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from kubernetes import client, config
-from kvferry.operator import names
-from kvferry.operator.spec import GROUP, PLURAL, VERSION
+from kvferry.operator.spec import GROUP, PLURAL, VERSION, names
 
 # kind -> (API prefix, plural); everything the operator reads or writes.
 RESOURCES: dict[str, tuple[str, str]] = {

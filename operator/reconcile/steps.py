@@ -13,12 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvferry.operator import names, secrets
-from kvferry.operator.apply import Kube, KubeError, NotControlled, not_ours
-from kvferry.operator.config import OperatorConfig
-from kvferry.operator.drift import drifted, up_to_date
+from kvferry.operator.reconcile import secrets
+from kvferry.operator.reconcile.apply import Kube, KubeError, NotControlled, not_ours
+from kvferry.operator.reconcile.drift import drifted, up_to_date
 from kvferry.operator.render.objects import render
-from kvferry.operator.spec import SpecError
+from kvferry.operator.runtime.config import OperatorConfig
+from kvferry.operator.spec import SpecError, names
 from kvferry.operator.status import conditions as status
 from kvferry.operator.status import gang as gang_status
 from kvferry.operator.status.conditions import ConditionType, EventReason, Observed, Reason

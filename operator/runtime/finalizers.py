@@ -17,11 +17,10 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvferry.operator import names
-from kvferry.operator.spec import GROUP, PLURAL, VERSION
+from kvferry.operator.spec import GROUP, PLURAL, VERSION, names
 
 if TYPE_CHECKING:
-    from kvferry.operator.apply import Kube
+    from kvferry.operator.reconcile.apply import Kube
 
 FINALIZERS = (f"{names.GROUP}/finalizer", "kopf.zalando.org/KopfFinalizerMarker")
 SHARD_FINALIZER_PREFIX = f"{names.GROUP}/finalizer-shard-"  # sharded replicas' (handlers.shard_finalizer)
@@ -51,7 +50,7 @@ def release_stale(kube: Kube, cr: dict[str, Any], current: str) -> list[str]:
     """Remove `stale(cr, current)` from the CR (through Kube.set_finalizers: the ownership gate,
     conditional on the CR as read); returns what was removed. A 409 (kopf removed its own meanwhile)
     or a 404 (deleted) is left to the next watch event, which reads the CR anew."""
-    from kvferry.operator.apply import KubeError
+    from kvferry.operator.reconcile.apply import KubeError
 
     drop = stale(cr, current)
     if not drop:

@@ -2,7 +2,7 @@
 
 Cluster-wide by default; `--namespace` (repeatable) narrows it. More than one replica elects a leader
 through kopf peering (`--peering`, crds/kopf-peerings.yaml); `--standalone` skips peering. `--shard i/n`
-splits the CRs between n replicas (operator/shard.py), each electing its leader in its own peering.
+splits the CRs between n replicas (operator/runtime/shard.py), each electing its leader in its own peering.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import random
 import sys
 
 import kopf
-from kvferry.operator import handlers, lean
-from kvferry.operator.config import OperatorConfig, check_shard, check_template
+from kvferry.operator.runtime import handlers, lean
+from kvferry.operator.runtime.config import OperatorConfig, check_shard, check_template
 
 
 def parse(argv: list[str]) -> tuple[OperatorConfig, bool]:

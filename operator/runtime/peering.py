@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from kvferry.operator.apply import Kube
+from kvferry.operator.reconcile.apply import Kube
 
 log = logging.getLogger("kvferry.operator")
 

@@ -7,7 +7,7 @@
 - Timers per CR: transfer metrics (`scrape`) and a slow full resync (drift the watches missed).
 - Shards: with KVFERRY_SHARD=i/n every handler, timer and index takes only the CRs `shard.owns`.
 - Indexes: the CRs, their workloads by role, and every managed object ("copies"), so a reconcile
-  writes only what differs from the watch's copy. CRs and copies are packed (operator/packed.py), the
+  writes only what differs from the watch's copy. CRs and copies are packed (operator/fleet/packed.py), the
   workloads trimmed to what status reads (`watched_copy`): memory at 1,000 CRs.
 Handlers return None so kopf writes nothing into status; its progress lives in kvferry.io annotations.
 """
@@ -21,15 +21,16 @@ import logging
 from typing import Any
 
 import kopf
-from kvferry.operator import finalizers, names, network, peering, reconcile, selfmetrics, shard
-from kvferry.operator.apply import RENDERED_KINDS, RESOURCES, Kube, load_configuration
 from kvferry.operator.autoscale import timer as autoscale_timer
-from kvferry.operator.changes import Change, Changes
-from kvferry.operator.coalesce import Coalescer
-from kvferry.operator.config import OperatorConfig
-from kvferry.operator.latest import Latest
-from kvferry.operator.packed import pack, unpack
-from kvferry.operator.spec import GROUP, PLURAL, VERSION
+from kvferry.operator.fleet.changes import Change, Changes
+from kvferry.operator.fleet.coalesce import Coalescer
+from kvferry.operator.fleet.latest import Latest
+from kvferry.operator.fleet.packed import pack, unpack
+from kvferry.operator.reconcile import network, steps
+from kvferry.operator.reconcile.apply import RENDERED_KINDS, RESOURCES, Kube, load_configuration
+from kvferry.operator.runtime import finalizers, peering, selfmetrics, shard
+from kvferry.operator.runtime.config import OperatorConfig
+from kvferry.operator.spec import GROUP, PLURAL, VERSION, names
 from kvferry.operator.status import publish, scrape
 
 CR = (GROUP, VERSION, PLURAL)
@@ -59,12 +60,12 @@ RETRY_DELAY_S = 10
 CONFLICT_RETRY_S = 60  # a foreign object of our name goes away only when a person acts
 
 
-def post(body: Any, outcome: reconcile.Outcome) -> None:
+def post(body: Any, outcome: steps.Outcome) -> None:
     for kind, reason, message in outcome.events:
         (kopf.warn if kind == "Warning" else kopf.info)(body, reason=reason.value, message=message[:1000])
 
 
-def raise_for(outcome: reconcile.Outcome) -> None:
+def raise_for(outcome: steps.Outcome) -> None:
     """Translate errors into kopf's vocabulary: invalid spec never retries, apply failures do."""
     if outcome.invalid:
         raise kopf.PermanentError(outcome.invalid)
@@ -74,7 +75,7 @@ def raise_for(outcome: reconcile.Outcome) -> None:
         raise kopf.TemporaryError(outcome.conflict, delay=CONFLICT_RETRY_S)
 
 
-def timed(trigger: str, run: Any) -> reconcile.Outcome:
+def timed(trigger: str, run: Any) -> steps.Outcome:
     """Run one reconcile, counting it by trigger and result in the operator's own metrics."""
     with selfmetrics.RECONCILE_SECONDS.time():
         outcome = run()
@@ -138,11 +139,11 @@ def watched_by(owned: Any, cr: Any) -> publish.Watched:
     return lambda role: _first(owned, (ns, name, role))
 
 
-def stored_by(copies: Any, cr: Any) -> reconcile.Stored:
+def stored_by(copies: Any, cr: Any) -> steps.Stored:
     """The CR's objects as the watch last saw them ((kind, name) -> copy), None where not indexed."""
     ns, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
     if copies is None:
-        return reconcile.nothing_stored
+        return steps.nothing_stored
 
     def stored(kind: str, obj_name: str) -> dict[str, Any] | None:
         return unpack(_first(copies, (ns, name, kind, obj_name)))
@@ -242,7 +243,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             if cr is None or cr["metadata"].get("deletionTimestamp"):
                 return  # deleted meanwhile
             watched = watched_by(owned, cr)
-            outcome = timed("owned", lambda: reconcile.refresh_status(memo.kube, cr, watched))
+            outcome = timed("owned", lambda: steps.refresh_status(memo.kube, cr, watched))
             # kopf's event posting reads its settings from a context variable its own threads carry:
             # post from a copy of a handler thread's context (one per run: a context is not shareable).
             memo.views["context"].copy().run(post, _ref(cr), outcome)
@@ -304,7 +305,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         trigger = getattr(reason, "value", str(reason))
         stored = stored_by(indexes.get("copies"), body)
         kw = {"trigger": trigger, "watched": watched_by(owned, body), "stored": stored}
-        outcome = timed(trigger, lambda: reconcile.reconcile(memo.kube, _plain(body), cfg, **kw))
+        outcome = timed(trigger, lambda: steps.reconcile(memo.kube, _plain(body), cfg, **kw))
         post(body, outcome)
         raise_for(outcome)
 
@@ -339,7 +340,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
                 return  # the GC is removing everything; re-applying would fight it
             kw = {"event_type": event["type"], "obj": _plain(body), "watched": watched_by(owned, cr)}
             kw["refresh"] = lambda: memo.refreshes.request(key)
-            run = lambda: timed("owned", lambda: reconcile.on_owned_change(memo.kube, cr, cfg, **kw))  # noqa: E731
+            run = lambda: timed("owned", lambda: steps.on_owned_change(memo.kube, cr, cfg, **kw))  # noqa: E731
 
             async def check() -> None:
                 # Render and apply block on the API server: on kopf's threads, with kopf's context (posting).
@@ -360,7 +361,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     )
     def transfer_status(body: kopf.Body, memo: kopf.Memo, owned: kopf.Index, **_: Any) -> None:
         events = scrape.scrape(memo.kube, _plain(body), cfg, memo.fetch, watched_by(owned, body), memo.nodes)
-        post(body, reconcile.Outcome(events=events))
+        post(body, steps.Outcome(events=events))
 
     @kopf.timer(
         *CR,
@@ -372,7 +373,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     )
     def resync(body: kopf.Body, memo: kopf.Memo, owned: kopf.Index, **_: Any) -> None:
         kw = {"trigger": "resync", "watched": watched_by(owned, body)}
-        run = lambda: reconcile.reconcile(memo.kube, _plain(body), cfg, **kw)  # noqa: E731
+        run = lambda: steps.reconcile(memo.kube, _plain(body), cfg, **kw)  # noqa: E731
         post(body, timed("resync", run))
 
     @kopf.on.event(*CR, id="stale-finalizers", when=mine, registry=registry)

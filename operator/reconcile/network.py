@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvferry.contracts.labels import NETWORK_LAYERS
-from kvferry.operator import names
-from kvferry.operator.apply import Kube, KubeError, not_controlled
+from kvferry.operator.reconcile.apply import Kube, KubeError, not_controlled
+from kvferry.operator.spec import names
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ CreateContainerConfigError. A missing key inside an existing Secret is reported 
 
 from __future__ import annotations
 
-from kvferry.operator.apply import Kube
+from kvferry.operator.reconcile.apply import Kube
 from kvferry.operator.render.security import referenced_secrets
 from kvferry.operator.spec import Spec
 
