@@ -5,8 +5,8 @@ where unknown). Two engines are as close as the number of leading levels they sh
 (EFA does not cross them, so a P/D pair there cannot transfer), 1 in one zone, 4 under one bottom-layer
 network node (fewest hops). Discovery fills the zone from the EndpointSlice, which Kubernetes copies
 from the pod's node for every endpoint, so no extra permission is needed; the network layers come from
-the pod's own labels, which the operator copies from its node (operator/reconcile/network.py: Kubernetes copies
-only zone and region onto pods, and the router is not granted Nodes). Unknown levels match nothing,
+the pod's own labels, which the operator copies from its node (operator/reconcile/network.py: Kubernetes
+copies only zone and region onto pods, and the router is not granted Nodes). Unknown levels match nothing,
 so without topology every pair is equally close and selection is as before.
 """
 

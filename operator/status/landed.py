@@ -5,8 +5,8 @@ The zone is read from the pod, not its node: from Kubernetes 1.35 the API server
 topology.kubernetes.io/zone label onto every pod it binds (PodTopologyLabelsAdmission, beta, on by
 default), so the operator needs no access to Nodes. A bound pod without the label (an older cluster, a
 node without a zone) counts as "unknown". The network nodes are the
-topology.k8s.aws/network-node-layer-3 labels the operator copies from the node (operator/reconcile/network.py);
-pods without it are not listed there.
+topology.k8s.aws/network-node-layer-3 labels the operator copies from the node
+(operator/reconcile/network.py); pods without it are not listed there.
 """
 
 from __future__ import annotations
