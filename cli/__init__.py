@@ -14,6 +14,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("kvferry.local.demo", "main", "full stack on this machine: control plane, operator, vLLM P/D"),
     "transfer-demo": ("kvferry.tools.transfer_demo", "main", "two-process push transfer over real NIXL"),
     "gpu-check": ("kvferry.tools.gpucheck.run", "main", "the connector's CUDA path on one GPU, no vLLM"),
+    "gpu-check-vllm": (
+        "kvferry.tools.gpucheck.vllmpd.cli",
+        "main",
+        "kvferry P/D through real CUDA vLLM servers on one GPU against a single vLLM",
+    ),
     "router": ("kvferry.router.cli", "main", "OpenAI-compatible P/D router"),
     "bench": ("kvferry.tools.loadbench", "main", "TTFT/TPOT sweep against an OpenAI endpoint"),
     "serve": ("kvferry.tools.serve", "main", "start vLLM with kvferry's launch fixes"),

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvferry.router.promtext import metric_sum
+from kvferry.contracts.promtext import metric_sum
 
 from .launch import GpuServer
 
@@ -46,7 +46,9 @@ def delta(before: Mapping[str, float], after: Mapping[str, float], name: str, **
     return metric_sum(dict(after), name, **labels) - metric_sum(dict(before), name, **labels)
 
 
-def by_label(before: Mapping[str, float], after: Mapping[str, float], name: str, label: str) -> dict:
+def by_label(
+    before: Mapping[str, float], after: Mapping[str, float], name: str, label: str
+) -> dict[str, float]:
     """Non-zero deltas of `name` summed per value of `label`."""
     out: dict[str, float] = {}
     for labels, change in _series_deltas(before, after, name):
@@ -89,7 +91,10 @@ def _scaled(value: float | None, factor: float) -> float | None:
     return None if value is None else value * factor
 
 
-def _both_sides(p0: Mapping, p1: Mapping, d0: Mapping, d1: Mapping, name: str) -> dict[str, float]:
+Scrape = Mapping[str, float]
+
+
+def _both_sides(p0: Scrape, p1: Scrape, d0: Scrape, d1: Scrape, name: str) -> dict[str, float]:
     """by_label(reason) of P, then D's as consumer:<reason>."""
     consumer = by_label(d0, d1, name, "reason")
     return by_label(p0, p1, name, "reason") | {f"consumer:{k}": v for k, v in consumer.items()}
@@ -129,8 +134,8 @@ def transfer_stats(
 
 
 def wait_for_counts(
-    p: GpuServer, d: GpuServer, base_p: dict, base_d: dict, want: int, timeout_s: float
-) -> tuple:
+    p: GpuServer, d: GpuServer, base_p: Scrape, base_d: Scrape, want: int, timeout_s: float
+) -> tuple[dict[str, float], dict[str, float]]:
     """Scrape until both sides report `want` more transfers (the worker journal reaches /metrics
     with vLLM's next stats) or time runs out; returns the last (P, D) scrapes."""
     deadline = time.monotonic() + timeout_s

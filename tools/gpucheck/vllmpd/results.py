@@ -9,6 +9,7 @@ from typing import Any
 from kvferry.tools.pdclient import compare
 
 from .cases import Case
+from .traffic import Answer, References
 
 
 @dataclass
@@ -47,13 +48,13 @@ def new_result(case: Case) -> CaseResult:
     )
 
 
-def score_answers(result: CaseResult, answers: dict[str, Any], reference: dict, tie: float) -> int:
+def score_answers(result: CaseResult, answers: dict[str, Answer], reference: References, tie: float) -> int:
     """Count each answer (a choice, or the exception of its pair) against the reference; returns
     how many pairs completed."""
     completed = 0
     for key, answer in answers.items():
         result.total += 1
-        if isinstance(answer, Exception):
+        if isinstance(answer, BaseException):
             result.errors.append(f"{key}: {answer}")
             continue
         completed += 1

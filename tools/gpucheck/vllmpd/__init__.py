@@ -1,12 +1,11 @@
 """GPU check: kvferry P/D on one CUDA device against a single vLLM, in one command, no network.
 
-    python scripts/gpu_check.py [--quick] [--out results.json] [--backend UCX] [--enforce-eager]
-                                [--kv-buffer-devices cuda,cpu]
+    kvferry gpu-check-vllm [--quick] [--out results.json] [--backend UCX] [--enforce-eager]
+                           [--kv-buffer-devices cuda,cpu]
 
 On a machine without a usable CUDA device (or without CUDA builds of vLLM and NIXL) it prints
 `SKIP: <reason>` and exits 0 without starting anything. Otherwise it builds a random tiny model
-locally (kvferry.local.tinymodel: 8 heads, 2 KV heads, head_dim 128, bfloat16 when tinymodel offers
-those options) and, for every case of the matrix
+locally (`kvferry model build`: 8 heads, 2 KV heads, head_dim 128, bfloat16) and, for every case of the matrix
 
     attention backend FLASH_ATTN, FLASHINFER  x  KV cache dtype auto, fp8
         x  KV buffer device (--kv-buffer-devices, default cuda)  x  blocks P16/D16, P16/D32

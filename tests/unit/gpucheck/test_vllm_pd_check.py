@@ -1,11 +1,10 @@
-"""scripts/gpu_check.py: SKIP (exit 0) without a CUDA device, and the pure parts of its package
-scripts/gpucheck: the case matrix, server commands and environments per role, the kvferry request
+"""`kvferry gpu-check-vllm`: SKIP (exit 0) without a CUDA device, and the pure parts of its package
+kvferry.tools.gpucheck.vllmpd: the case matrix, server commands and environments per role, the kvferry request
 pair, output comparison, histogram deltas and quantiles from /metrics, tinymodel shape options, the
 KV buffer device dimension (host staging), and the log lines it reports."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -16,26 +15,24 @@ from pathlib import Path
 
 import pytest
 from kvferry.contracts.params import CONSUMER, PRODUCER, ConsumerParams, ProducerParams, parse, wants_transfer
-from kvferry.tools.pdclient import compare, prompt_body, token_prompt, top2_gaps
-
-from scripts.gpucheck.cases import groups, matrix, parse_pairs
-from scripts.gpucheck.cli import build_parser, dry_run, main, parse_args
-from scripts.gpucheck.command import (
+from kvferry.local import tinymodel
+from kvferry.tools.gpucheck.vllmpd.cases import groups, matrix, parse_pairs
+from kvferry.tools.gpucheck.vllmpd.cli import build_parser, dry_run, main, parse_args
+from kvferry.tools.gpucheck.vllmpd.command import (
     GpuServerSpec,
     gpu_kv_transfer_config,
     logging_config,
     server_command,
     server_env,
 )
-from scripts.gpucheck.launch import Group, layout_lines, staged
-from scripts.gpucheck.metrics import hist_delta, hist_quantile, transfer_stats
-from scripts.gpucheck.model import shape_overrides
-from scripts.gpucheck.probe import attention_via_from_help, cuda_mismatch, stack_problems
-from scripts.gpucheck.report import print_case, print_summary
-from scripts.gpucheck.results import CaseResult, case_checks, new_result, staging_checks
-from scripts.gpucheck.traffic import spec_legs
-
-SCRIPT = Path(__file__).parents[3] / "scripts" / "gpu_check.py"
+from kvferry.tools.gpucheck.vllmpd.launch import Group, layout_lines, staged
+from kvferry.tools.gpucheck.vllmpd.metrics import hist_delta, hist_quantile, transfer_stats
+from kvferry.tools.gpucheck.vllmpd.model import build_command
+from kvferry.tools.gpucheck.vllmpd.probe import attention_via_from_help, cuda_mismatch, stack_problems
+from kvferry.tools.gpucheck.vllmpd.report import print_case, print_summary
+from kvferry.tools.gpucheck.vllmpd.results import CaseResult, case_checks, new_result, staging_checks
+from kvferry.tools.gpucheck.vllmpd.traffic import spec_legs
+from kvferry.tools.pdclient import compare, prompt_body, token_prompt, top2_gaps
 
 
 def spec(**kw: object):
@@ -52,12 +49,17 @@ def spec(**kw: object):
     return GpuServerSpec(**{**base, **kw})
 
 
-def test_without_cuda_the_script_prints_skip_and_exits_0() -> None:
+def test_without_cuda_the_command_prints_skip_and_exits_0() -> None:
     # CUDA_VISIBLE_DEVICES="" hides every GPU, so this is the SKIP path on any machine.
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "kvferry.cli", "gpu-check-vllm"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
@@ -223,26 +225,12 @@ def test_transfer_stats_sum_engines_and_split_by_label() -> None:
     assert result.errors == ["sequential: transfer failures {'lease_expired': 1.0}"] and not result.ok
 
 
-def test_shape_options_follow_what_tinymodel_offers() -> None:
-    assert shape_overrides(["arch"]) == ("none", {}, ["heads", "kv_heads", "head_dim", "dtype"])
-    how, kwargs, missing = shape_overrides(
-        ["arch", "shape"], ["heads", "kv_heads", "head_dim", "dtype", "layers"]
-    )
-    assert how == "shape" and not missing
-    assert kwargs == {"heads": 8, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16"}
-    how, kwargs, missing = shape_overrides(["arch", "num_key_value_heads", "head_dim"])
-    assert how == "kwargs" and kwargs == {"num_key_value_heads": 2, "head_dim": 128}
-    assert missing == ["heads", "dtype"]
-    how, kwargs, _ = shape_overrides(["arch", "overrides"], var_keyword=True)
-    assert how == "kwargs" and kwargs["num_attention_heads"] == 8
-    # The tinymodel in this tree: whichever API it has, the adapter maps onto it.
-    from kvferry.local import tinymodel
-
-    shape_cls = getattr(tinymodel, "Shape", None)
-    shape_params = list(inspect.signature(shape_cls).parameters) if shape_cls else None
-    how, kwargs, _ = shape_overrides(inspect.signature(tinymodel.ensure).parameters, shape_params)
-    if how == "shape":
-        assert shape_cls is not None and shape_cls(**kwargs)  # the shape this check asks for is valid
+def test_the_model_is_built_by_tinymodels_command_in_the_checks_shape() -> None:
+    cmd = build_command("llama", python="py")
+    assert cmd[:4] == ["py", "-m", "kvferry.local.tinymodel", "build"]
+    _, arch, shape = tinymodel.parse_args(cmd[3:])  # the flags tinymodel's own parser takes
+    assert arch == "llama"
+    assert (shape.heads, shape.kv_heads, shape.head_dim, shape.dtype) == (8, 2, 128, "bfloat16")
 
 
 def test_stack_problems_name_cpu_builds_and_missing_nixl_cuda() -> None:

@@ -23,7 +23,7 @@ from .model import build_model, model_shape
 from .probe import detect_attention_via, versions
 from .report import print_case, print_environment, print_summary, write_json
 from .results import CaseResult, case_checks, new_result, score_answers, staging_checks
-from .traffic import pd_burst, pd_sequence, reference_outputs
+from .traffic import References, pd_burst, pd_sequence, reference_outputs
 
 Scrapes = tuple[dict[str, float], dict[str, float]]
 
@@ -32,7 +32,7 @@ def _sequential(
     result: CaseResult,
     p: GpuServer,
     d: GpuServer,
-    reference: dict,
+    reference: References,
     prompts: dict[str, list[int]],
     args: argparse.Namespace,
 ) -> Scrapes:
@@ -69,7 +69,7 @@ def run_case(
     case: Case,
     p: GpuServer,
     d: GpuServer,
-    reference: dict,
+    reference: References,
     prompts: dict[str, list[int]],
     args: argparse.Namespace,
 ) -> CaseResult:
@@ -80,7 +80,9 @@ def run_case(
     return result
 
 
-def _reference(group: Group, block: int, prompts: dict[str, list[int]], args: argparse.Namespace) -> dict:
+def _reference(
+    group: Group, block: int, prompts: dict[str, list[int]], args: argparse.Namespace
+) -> References:
     """The single server's outputs; it is stopped after, its memory goes to P and D."""
     try:
         single = group.server("single", block)
@@ -90,7 +92,7 @@ def _reference(group: Group, block: int, prompts: dict[str, list[int]], args: ar
 
 
 def _pair_case(
-    group: Group, case: Case, reference: dict, prompts: dict[str, list[int]], args: argparse.Namespace
+    group: Group, case: Case, reference: References, prompts: dict[str, list[int]], args: argparse.Namespace
 ) -> CaseResult:
     """One case on the group's P and D (started on first use), printed when done."""
     result = new_result(case)
@@ -116,7 +118,11 @@ def _pair_case(
 
 
 def run_group(
-    cases: list[Case], model: Path, args: argparse.Namespace, env: dict, references: dict | None = None
+    cases: list[Case],
+    model: Path,
+    args: argparse.Namespace,
+    env: dict[str, Any],
+    references: dict[tuple[str, str], References] | None = None,
 ) -> list[CaseResult]:
     """One group's cases; references caches the single server's outputs per (backend, dtype)."""
     attention, kv_dtype, buffer = cases[0].group
@@ -177,7 +183,9 @@ def run(args: argparse.Namespace, cases: list[Case], dists: dict[str, str]) -> i
     launcher, via = _launch_mode(args, dists)
     env = {"attention_via": via, "launcher": launcher, "log_config": log_config, "workdir": workdir}
     results: list[CaseResult] = []
-    references: dict = {}  # the single server's outputs do not depend on the KV buffer device
+    references: dict[
+        tuple[str, str], References
+    ] = {}  # the single server's outputs do not depend on the KV buffer device
     for members in groups(cases).values():
         results += run_group(members, model, args, env, references)
     print_summary(results)

@@ -7,16 +7,30 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from kvferry.tools.pdclient import Body, pd_legs, prompt_body, top2_gaps
 
 from .command import GpuServerSpec
 from .launch import GpuServer
 
+if TYPE_CHECKING:  # httpx is imported where a request is sent: the SKIP path never loads it
+    import httpx
+
 
 class RequestError(RuntimeError):
     pass
+
+
+class Reference(TypedDict):
+    """The single server's greedy output for one prompt and its top-2 logprob gaps."""
+
+    token_ids: list[int]
+    gaps: list[float]
+
+
+References = dict[str, Reference]
+Answer = Body | BaseException  # a pair's decode choice, or what ended the pair
 
 
 def spec_legs(body: Body, rid: str, *, producer: GpuServerSpec, consumer: GpuServerSpec) -> tuple[Body, Body]:
@@ -32,19 +46,22 @@ def spec_legs(body: Body, rid: str, *, producer: GpuServerSpec, consumer: GpuSer
     )
 
 
-async def _post(client: Any, url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> dict:
+async def _post(
+    client: httpx.AsyncClient, url: str, body: Body, headers: dict[str, str] | None = None
+) -> Body:
     resp = await client.post(url + "/v1/completions", json=body, headers=headers)
     if resp.status_code != 200:
         raise RequestError(f"{url}: HTTP {resp.status_code} {resp.text[:300]}")
-    return resp.json()["choices"][0]
+    choice: Body = resp.json()["choices"][0]
+    return choice
 
 
 async def reference_outputs(
     url: str, prompts: dict[str, list[int]], max_tokens: int, timeout_s: float
-) -> dict:
+) -> References:
     import httpx
 
-    out = {}
+    out: References = {}
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         for key, prompt in prompts.items():
             choice = await _post(client, url, prompt_body(prompt, max_tokens, logprobs=2))
@@ -52,7 +69,7 @@ async def reference_outputs(
     return out
 
 
-async def pd_pair(client: Any, p: GpuServer, d: GpuServer, body: dict[str, Any]) -> dict:
+async def pd_pair(client: httpx.AsyncClient, p: GpuServer, d: GpuServer, body: Body) -> Body:
     rid = uuid.uuid4().hex
     prefill, decode = spec_legs(body, rid, producer=p.gspec, consumer=d.gspec)
     headers = {"X-Request-Id": rid}
@@ -62,11 +79,13 @@ async def pd_pair(client: Any, p: GpuServer, d: GpuServer, body: dict[str, Any])
     return choice
 
 
-async def pd_sequence(p: GpuServer, d: GpuServer, bodies: dict[str, dict], timeout_s: float) -> dict:
+async def pd_sequence(
+    p: GpuServer, d: GpuServer, bodies: dict[str, Body], timeout_s: float
+) -> dict[str, Answer]:
     """Pairs one after the other; a failed pair is recorded, not raised."""
     import httpx
 
-    out: dict[str, Any] = {}
+    out: dict[str, Answer] = {}
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         for key, body in bodies.items():
             try:
@@ -76,7 +95,9 @@ async def pd_sequence(p: GpuServer, d: GpuServer, bodies: dict[str, dict], timeo
     return out
 
 
-async def pd_burst(p: GpuServer, d: GpuServer, bodies: list[dict], timeout_s: float) -> tuple[float, list]:
+async def pd_burst(
+    p: GpuServer, d: GpuServer, bodies: list[Body], timeout_s: float
+) -> tuple[float, list[Answer]]:
     """All pairs at once; (wall seconds, results or exceptions)."""
     import httpx
 

@@ -156,7 +156,9 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpu_check.py", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="kvferry gpu-check-vllm", description=DESCRIPTION, formatter_class=_HelpFormatter
+    )
     _matrix_flags(p)
     _server_flags(p)
     _run_flags(p)
