@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench": ("kvferry.tools.loadbench", "main", "TTFT/TPOT sweep against an OpenAI endpoint"),
     "serve": ("kvferry.tools.serve", "main", "start vLLM with kvferry's launch fixes"),
     "preflight": ("kvferry.connector.preflight", "main", "check NIXL, backend plugins and EFA"),
-    "inject": ("kvferry.tools.inject", "main", "copy the connector into DIR for a stock vLLM image"),
+    "inject": ("kvferry.connector.inject", "main", "copy the connector into DIR for a stock vLLM image"),
     "render": ("kvferry.operator.render.cli", "main", "print the objects a DisaggregatedInference makes"),
     "doctor": ("kvferry.tools.doctor.cli", "main", "what a DisaggregatedInference needs from the cluster"),
     "operator": ("kvferry.operator.runtime.run", "main", "run the operator (kopf)"),

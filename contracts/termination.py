@@ -8,6 +8,6 @@ status and the operator (operator/status/podchecks.py) turns it into a condition
 from __future__ import annotations
 
 PREFLIGHT_FAILED = "kvferry preflight failed: "  # connector/preflight.py -> Reason PreflightFailed
-INJECT_FAILED = "kvferry inject failed: "  # tools/inject.py -> Reason ConnectorInjectFailed
+INJECT_FAILED = "kvferry inject failed: "  # connector/inject.py -> Reason ConnectorInjectFailed
 # The kubelet keeps at most 4 KiB of a termination message; writers cut their line to this.
 MAX_CHARS = 4000

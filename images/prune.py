@@ -2,14 +2,15 @@
 import each `kvferry` command the image runs.
 
 kvferry is one project: pyproject.toml lists every package, and setuptools needs every folder to build.
-Each image installs it and then removes what does not run there (the dev-only `local/`, the launchers
-and benches of `tools/`, ...), so an image holds what its pods run and nothing more. Run by
+Each image installs it and then removes what does not run there (the dev-only `local/` and `tools/`,
+the build-time `codegen/`, ...), so an image holds what its pods run and nothing more. Run by
 images/*/Dockerfile in the same RUN as `pip install`, with the image's Python:
 
     python images/prune.py --keep kvferry.cli kvferry.connector kvferry.contracts --commands preflight
 
---keep names packages (kept whole) or single modules (their parent packages' __init__.py stay too).
-A command that no longer imports after the prune fails the build, naming the missing module.
+--keep names whole portions (kvferry.connector, ...): what an image runs is a set of folders, each a
+package of one lifetime, so nothing is kept module by module. A command that no longer imports after
+the prune fails the build, naming the missing module.
 """
 
 from __future__ import annotations
@@ -23,55 +24,31 @@ from pathlib import Path
 
 
 def kept_paths(root: Path, keep: list[str]) -> set[Path]:
-    """What `keep` names under `root` (the installed kvferry/), plus its parent packages' __init__.py."""
+    """The folders under `root` (the installed kvferry/) of the portions `keep` names."""
     out: set[Path] = set()
     for name in keep:
         parts = name.split(".")
-        if parts[0] != "kvferry" or len(parts) < 2:
-            raise ValueError(f"{name}: name a kvferry package or module, e.g. kvferry.connector")
-        path = root.joinpath(*parts[1:])
-        if path.is_dir():
-            out.add(path)
-        elif path.with_suffix(".py").is_file():
-            out.add(path.with_suffix(".py"))
-        else:
+        if parts[0] != "kvferry" or len(parts) != 2:
+            raise ValueError(f"{name}: name a kvferry portion, e.g. kvferry.connector")
+        path = root / parts[1]
+        if not path.is_dir():
             raise ValueError(f"{name} is not installed under {root}")
-        for depth in range(2, len(parts)):
-            init = root.joinpath(*parts[1:depth], "__init__.py")
-            if init.is_file():
-                out.add(init)
+        out.add(path)
     return out
-
-
-def _holds_kept(path: Path, kept: set[Path]) -> bool:
-    return any(path in k.parents for k in kept)
 
 
 def prune(root: Path, keep: list[str]) -> list[Path]:
     """Delete everything under `root` that `keep` does not name; returns what was deleted."""
     kept = kept_paths(root, keep)
     removed: list[Path] = []
-
-    def walk(folder: Path) -> None:
-        for child in sorted(folder.iterdir()):
-            if child in kept:
-                continue
-            if child.name == "__pycache__":
-                # Bytecode of the kept modules next to it stays; the rest goes with its source.
-                for pyc in sorted(child.iterdir()):
-                    if folder / (pyc.name.split(".", 1)[0] + ".py") not in kept:
-                        pyc.unlink()
-                        removed.append(pyc)
-            elif _holds_kept(child, kept):
-                walk(child)
-            else:
-                if child.is_dir():
-                    shutil.rmtree(child)
-                else:
-                    child.unlink()
-                removed.append(child)
-
-    walk(root)
+    for child in sorted(root.iterdir()):
+        if child in kept:
+            continue
+        if child.is_dir():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+        removed.append(child)
     return removed
 
 
@@ -95,7 +72,7 @@ def check_commands(commands: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--keep", nargs="+", required=True, help="kvferry packages or modules to keep")
+    parser.add_argument("--keep", nargs="+", required=True, help="kvferry portions to keep")
     parser.add_argument("--commands", nargs="+", required=True, help="kvferry commands the image runs")
     parser.add_argument(
         "--site", type=Path, help="directory holding the installed kvferry/ (default: this Python's)"

@@ -1,2 +1,2 @@
-"""Tools around the product: launch vLLM (serve, pdstack), load benches, inject, the transfer demo,
-host KV caches."""
+"""Tools around the product: launch vLLM (serve, pdstack), load benches, the transfer demo, host KV
+caches, the GPU check."""

@@ -19,7 +19,7 @@ from kvferry.contracts import termination
 from kvferry.operator.spec import names
 from kvferry.operator.status.conditions import Reason
 
-# The prefixes connector/preflight.py and tools/inject.py write (kvferry.contracts.termination).
+# The prefixes connector/preflight.py and connector/inject.py write (kvferry.contracts.termination).
 MARKERS = (
     (termination.PREFLIGHT_FAILED, Reason.PREFLIGHT_FAILED),
     (termination.INJECT_FAILED, Reason.INJECT_FAILED),

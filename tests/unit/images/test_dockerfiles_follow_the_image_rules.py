@@ -22,9 +22,9 @@ import grimp
 import pytest
 import tomllib
 from kvferry.cli import COMMANDS
+from kvferry.connector import inject
 from kvferry.contracts import pods
 from kvferry.operator.render.objects import render
-from kvferry.tools import inject
 
 from tests.unit.operator.cases import make_inference
 from tests.wheel import wheelkit
@@ -76,13 +76,13 @@ def prune_args(image: str) -> tuple[list[str], list[str]]:
 
 
 def needed_packages(roots: set[str], payload: set[str] = frozenset()) -> set[str]:
-    """What must ship for `roots` to import: the kvferry packages of their import closure (single
-    modules of kvferry.tools, whose other tools never run in an image), plus copied payload packages."""
+    """What must ship for `roots` to import: the kvferry portions of their import closure (an image
+    keeps whole portions, images/prune.py), plus copied payload packages."""
     graph = grimp.build_graph(*PACKAGE_DIRS, cache_dir=None)
     closure = set(roots)
     for module in roots:
         closure |= graph.find_upstream_modules(module)
-    top = {m if m.startswith("kvferry.tools.") else ".".join(m.split(".")[:2]) for m in closure}
+    top = {".".join(m.split(".")[:2]) for m in closure}
     return top | set(payload)
 
 
@@ -240,9 +240,7 @@ def test_prune_leaves_the_kept_packages_and_the_commands_still_run(image: str, t
         "kvferry." + ".".join(p.relative_to(site / "kvferry").with_suffix("").parts)
         for p in (site / "kvferry").rglob("*.py")
     }
-    assert {m for m in left if not any(m == k or m.startswith(k + ".") for k in keep)} <= {
-        "kvferry.tools.__init__"
-    }
+    assert {m for m in left if not any(m.startswith(k + ".") for k in keep)} == set()
     assert "kvferry.local.__init__" not in left
     gone = _python(site, "-c", "from kvferry.cli import main; raise SystemExit(main(['demo']))")
     assert gone.returncode == 2 and "kvferry demo: not in this installation" in gone.stderr, gone.stderr
