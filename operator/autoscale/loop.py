@@ -25,7 +25,7 @@ from kvferry.operator.autoscale.planner import Decision, History, Plan, plan
 from kvferry.operator.autoscale.signals import EngineSample, Scrape, Window, parse_engine, window
 from kvferry.operator.reconcile.apply import Kube, KubeError, NotControlled, not_controlled, now_iso
 from kvferry.operator.runtime.config import OperatorConfig
-from kvferry.operator.spec import SpecError, names, parse_spec
+from kvferry.operator.spec import Inference, Meta, names
 from kvferry.operator.spec.autoscaling import Autoscaling
 from kvferry.operator.status.publish import Watched, no_watch, write_status
 from kvferry.operator.status.scrape import Fetch, engine_pods_of, metrics_urls
@@ -51,15 +51,15 @@ class Memory:
 
 
 def read_engines(
-    kube: Kube, cr: dict[str, Any], cfg: OperatorConfig, fetch: Fetch, owners: dict[str, str]
+    kube: Kube, cr: Inference, cfg: OperatorConfig, fetch: Fetch, owners: dict[str, str]
 ) -> Scrape:
     """Role -> source -> parsed sample of every running engine pod that answered with metrics, of the
     pods the role's StatefulSet (owners: role -> its UID) controls."""
-    meta = cr["metadata"]
-    pods = kube.list("Pod", meta["namespace"], {names.LABEL_NAME: names.fit(meta["name"])})
+    meta = cr.meta
+    pods = kube.list("Pod", meta.namespace, {names.LABEL_NAME: names.fit(meta.name)})
     pods = engine_pods_of(pods, owners)
     out: dict[str, dict[str, EngineSample]] = {}
-    for role, urls in metrics_urls(pods, cfg.metrics_url, meta["name"]).items():
+    for role, urls in metrics_urls(pods, cfg.metrics_url, meta.name).items():
         out[role] = {}
         for url in urls:
             if (text := fetch(url)) is None:
@@ -111,33 +111,31 @@ class Autoscaler:
         self._memory: dict[str, Memory] = {}
         self._lock = threading.Lock()
 
-    def forget(self, cr: dict[str, Any]) -> None:
+    def forget(self, meta: Meta) -> None:
         with self._lock:
-            self._memory.pop(cr["metadata"].get("uid", ""), None)
-        writer.forget(cr["metadata"]["namespace"], cr["metadata"]["name"])
+            self._memory.pop(meta.uid, None)
+        writer.forget(meta.namespace, meta.name)
 
     def evaluate(
         self,
         kube: Kube,
-        cr: dict[str, Any],
+        cr: Inference,
         cfg: OperatorConfig,
         fetch: Fetch,
         watched: Watched = no_watch,
         now: float | None = None,
     ) -> list[Event]:
         """One evaluation: plan from the engines' metrics, write it, publish status; the events."""
-        meta = cr["metadata"]
-        ns, name = meta["namespace"], meta["name"]
-        try:
-            spec = parse_spec(cr.get("spec"), name).autoscaling
-        except SpecError:
+        ns, name, uid = cr.meta.namespace, cr.meta.name, cr.meta.uid
+        if not cr.valid:
             return []  # the reconcile reports an invalid spec
-        if spec is None or not (cr.get("status") or {}).get("revision"):
+        spec = cr.spec.autoscaling
+        if spec is None or not cr.revision:
             return []  # not autoscaled, or not reconciled yet
         sets = {r: watched(r) or kube.get("StatefulSet", ns, names.role_name(name, r)) for r in names.ROLES}
         if any(s is None for s in sets.values()):
             return []  # the reconcile creates them
-        if any(not_controlled(s, meta.get("uid", ""), "StatefulSet") for s in sets.values() if s):
+        if any(not_controlled(s, uid, "StatefulSet") for s in sets.values() if s):
             # A StatefulSet of our name that this CR does not control (the reconcile reports the
             # Conflict): neither plan from its metrics nor scale it. writer.scale checks again.
             log.info("autoscale %s/%s: a role's StatefulSet is not this CR's; not evaluated", ns, name)
@@ -147,7 +145,7 @@ class Autoscaler:
         owners = {r: s["metadata"].get("uid", "") for r, s in sets.items() if s}
         scrape = read_engines(kube, cr, cfg, fetch, owners)
         at = time.monotonic() if now is None else now
-        key = meta.get("uid", f"{ns}/{name}")
+        key = uid or f"{ns}/{name}"
         with self._lock:
             memory = self._memory.setdefault(key, Memory())
         elapsed = at - memory.scraped_at if memory.scrape else 0.0
@@ -159,16 +157,16 @@ class Autoscaler:
         stamp = now_iso()
         write_status(
             kube,
-            cr,
+            cr.body,
             lambda prev: {"autoscaling": status_of(spec, w, result, prev.get("autoscaling") or {}, stamp)},
         )
         return events
 
     def _write(
-        self, kube: Kube, cr: dict[str, Any], spec: Autoscaling, p: Plan, sets: dict[str, Any]
+        self, kube: Kube, cr: Inference, spec: Autoscaling, p: Plan, sets: dict[str, Any]
     ) -> list[Event]:
-        ns, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
-        last = (cr.get("status") or {}).get("autoscaling") or {}
+        ns, name = cr.meta.namespace, cr.meta.name
+        last = cr.status.get("autoscaling") or {}
         events: list[Event] = []
         for d in p.decisions():
             writer.publish_desired(ns, name, d.role, d.desired)
@@ -180,7 +178,7 @@ class Autoscaler:
                     events.append(("Normal", _reason(d), f"{what} (published for an external scaler)"))
                 continue
             try:
-                writer.scale(kube, sets[d.role], cr["metadata"].get("uid", ""), d.desired)
+                writer.scale(kube, sets[d.role], cr.meta.uid, d.desired)
             except NotControlled as exc:
                 events.append(("Warning", ScaleEvent.SCALE_FAILED, f"{what}: not written ({exc})"))
                 continue

@@ -12,7 +12,7 @@ from typing import Any
 import kopf
 from kvferry.operator.autoscale.loop import Autoscaler
 from kvferry.operator.runtime.config import OperatorConfig
-from kvferry.operator.spec import GROUP, PLURAL, VERSION
+from kvferry.operator.spec import GROUP, PLURAL, VERSION, Inference, Meta
 from kvferry.operator.status.publish import Watched
 
 CR = (GROUP, VERSION, PLURAL)
@@ -41,11 +41,12 @@ def register(
     )
     def autoscale(body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
         watched = watched_by(kw.get("owned"), body)  # kopf passes its indexes by name
-        for kind, reason, message in autoscaler.evaluate(memo.kube, plain(body), cfg, memo.fetch, watched):
+        cr = Inference.of(plain(body))  # parsed once: the evaluation reads the typed CR
+        for kind, reason, message in autoscaler.evaluate(memo.kube, cr, cfg, memo.fetch, watched):
             (kopf.warn if kind == "Warning" else kopf.info)(body, reason=reason.value, message=message[:1000])
 
     @kopf.on.delete(*CR, id="autoscale-forget", optional=True, registry=registry)
     def forget(body: kopf.Body, **_: Any) -> None:
-        autoscaler.forget(plain(body))
+        autoscaler.forget(Meta.of(body.get("metadata")))
 
     return autoscaler

@@ -1,7 +1,8 @@
 """Reconcile step: render -> apply -> summarize -> one status patch, for one DisaggregatedInference.
 
-Plain functions over the `Kube` client; no kopf here. They return an `Outcome` (events to post, the
-status written, an error kind) and the handlers translate it into kopf events and retry errors.
+Plain functions over the `Kube` client and the CR as its handler parsed it (spec.Inference); no kopf
+here. They return an `Outcome` (events to post, the status written, an error kind) and the handlers
+translate it into kopf events and retry errors.
 Level-based: every entry point recomputes from the CR and what exists, so running one twice is harmless.
 """
 
@@ -18,7 +19,7 @@ from kvferry.operator.reconcile.apply import Kube, KubeError, NotControlled, not
 from kvferry.operator.reconcile.drift import drifted, up_to_date
 from kvferry.operator.render.objects import render
 from kvferry.operator.runtime.config import OperatorConfig
-from kvferry.operator.spec import SpecError, names
+from kvferry.operator.spec import Inference, SpecError, names
 from kvferry.operator.status import conditions as status
 from kvferry.operator.status import gang as gang_status
 from kvferry.operator.status.conditions import ConditionType, EventReason, Observed, Reason
@@ -50,16 +51,15 @@ class Outcome:
     skipped: int = 0  # objects whose watched copy already held the render: no request made
 
 
-def observed_replicas(
-    kube: Kube, cr: dict[str, Any], stored: Stored = nothing_stored
-) -> dict[str, int | None]:
+def observed_replicas(kube: Kube, cr: Inference, stored: Stored = nothing_stored) -> dict[str, int | None]:
     """Current replicas of roles an autoscaler owns (read back so the apply never moves them)."""
-    meta, spec = cr["metadata"], cr.get("spec") or {}
     out: dict[str, int | None] = {}
+    if not cr.valid:
+        return out  # render reports the spec
     for role in names.ROLES:
-        if (spec.get(role) or {}).get("replicasOwner") == "autoscaler":
-            sts_name = names.role_name(meta["name"], role)
-            sts = stored("StatefulSet", sts_name) or kube.get("StatefulSet", meta["namespace"], sts_name)
+        if getattr(cr.spec, role).replicas_owner == "autoscaler":
+            sts_name = names.role_name(cr.meta.name, role)
+            sts = stored("StatefulSet", sts_name) or kube.get("StatefulSet", cr.meta.namespace, sts_name)
             out[role] = sts["spec"].get("replicas") if sts else None
     return out
 
@@ -127,7 +127,7 @@ def flip_events(previous: dict[str, Any], new: dict[str, Any]) -> list[Event]:
 
 def reconcile(
     kube: Kube,
-    cr: dict[str, Any],
+    cr: Inference,
     cfg: OperatorConfig,
     *,
     trigger: str,
@@ -141,9 +141,8 @@ def reconcile(
     """
     if trigger in APPLY_ALL:
         stored = nothing_stored
-    meta = cr["metadata"]
-    ns, name, generation = meta["namespace"], meta["name"], meta.get("generation", 0)
-    previous = cr.get("status") or {}
+    ns, name, generation = cr.meta.namespace, cr.meta.name, cr.meta.generation
+    previous = cr.status
     out = Outcome()
     # Step 1: render (pure). A spec the API server let through but render rejects is a permanent error.
     try:
@@ -214,7 +213,7 @@ def reconcile(
 
 def on_owned_change(
     kube: Kube,
-    cr: dict[str, Any],
+    cr: Inference,
     cfg: OperatorConfig,
     *,
     event_type: str,
@@ -244,8 +243,7 @@ def on_owned_change(
     if mine is None:
         return Outcome()
     sts_role = obj["metadata"].get("labels", {}).get(names.LABEL_ROLE)
-    autoscaled = ((cr.get("spec") or {}).get(sts_role) or {}).get("replicasOwner") == "autoscaler"
-    if autoscaled:
+    if sts_role in names.ROLES and getattr(cr.spec, sts_role).replicas_owner == "autoscaler":
         mine.get("spec", {}).pop("replicas", None)
     if event_type == "DELETED" or drifted(mine, obj):
         out = reconcile(kube, cr, cfg, trigger="drift", watched=watched)
@@ -261,19 +259,19 @@ def on_owned_change(
     return refresh_status(kube, cr, watched)
 
 
-def refresh_status(kube: Kube, cr: dict[str, Any], watched: Watched) -> Outcome:
+def refresh_status(kube: Kube, cr: Inference, watched: Watched) -> Outcome:
     """Status from the watched StatefulSets/Deployment, without touching the objects."""
-    meta = cr["metadata"]
-    previous = cr.get("status") or {}
-    if not previous.get("revision"):
+    meta = cr.meta
+    if not cr.revision:
         # The indexed copy may predate the first reconcile's status patch (a busy operator sees the
         # pod/Deployment event first): read the CR once instead of dropping this last change.
-        fresh = kube.get("DisaggregatedInference", meta["namespace"], meta["name"])
+        fresh = kube.get("DisaggregatedInference", meta.namespace, meta.name)
         if fresh is None or not (fresh.get("status") or {}).get("revision"):
-            log.debug("status refresh of %s skipped: not reconciled yet", meta["name"])
+            log.debug("status refresh of %s skipped: not reconciled yet", meta.name)
             return Outcome()  # not reconciled yet: the CR handler writes the first status
-        cr, previous = fresh, fresh["status"]
+        cr = Inference.of(fresh)
+    previous = cr.status
 
     new = publish(kube, cr, Observed(), watched)
-    log.debug("status refresh of %s: %s", meta["name"], status.condition(new, ConditionType.READY))
+    log.debug("status refresh of %s: %s", meta.name, status.condition(new, ConditionType.READY))
     return Outcome(status=new, events=flip_events(previous, new))

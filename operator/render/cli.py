@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from kvferry.operator.render import images
 from kvferry.operator.render.objects import render
-from kvferry.operator.spec import KIND, SpecError
+from kvferry.operator.spec import KIND, Inference, SpecError
 
 
 def _read(source: str) -> list[dict[str, Any]]:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             name = doc.get("metadata", {}).get("name", "?")
             try:
-                rendered = render(doc, registry=args.registry, router_image=args.router_image)
+                rendered = render(Inference.of(doc), registry=args.registry, router_image=args.router_image)
             except SpecError as exc:
                 print(f"kvferry render: {source}: {name}: {exc}", file=sys.stderr)
                 return 2

@@ -1,7 +1,8 @@
 """Render step: a DisaggregatedInference -> the Kubernetes objects it should own (pure, no API access).
 
-`render(cr)` validates the spec, merges presets (presets.py), builds one context per role and fills the
-templates in templates/. Nothing here imports kopf or kubernetes, so it runs offline (`kvferry render`).
+`render(cr)` takes the CR as parsed once at the edge (spec.Inference: typed metadata and spec), merges
+presets (presets.py), builds one context per role and fills the templates in templates/. Nothing here
+imports kopf or kubernetes, so it runs offline (`kvferry render`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvferry.operator.render import (
     security,
 )
 from kvferry.operator.render.presets import PodPlan, merge
-from kvferry.operator.spec import GROUP, KIND, VERSION, Role, Spec, SpecError, names, parse_spec
+from kvferry.operator.spec import GROUP, KIND, VERSION, Inference, Meta, Role, Spec, SpecError, names
 
 DEFAULT_ROUTER_IMAGE = images.operator_image()  # the operator image also holds the router
 PRESTOP_SECONDS = 10
@@ -322,20 +323,19 @@ def leader_worker_set(statefulset: dict[str, Any], nodes: int) -> dict[str, Any]
     return lws
 
 
-def owner_reference(cr: dict[str, Any]) -> dict[str, Any]:
-    meta = cr["metadata"]
+def owner_reference(meta: Meta) -> dict[str, Any]:
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": KIND,
-        "name": meta["name"],
-        "uid": meta["uid"],
+        "name": meta.name,
+        "uid": meta.uid,
         "controller": True,
         "blockOwnerDeletion": True,
     }
 
 
 def render(
-    cr: dict[str, Any],
+    cr: Inference | dict[str, Any],
     *,
     registry: str = images.DEFAULT_REGISTRY,
     router_image: str = "",
@@ -344,6 +344,8 @@ def render(
 ) -> Rendered:
     """Desired objects for `cr`. Raises spec.SpecError for a spec the API server would reject.
 
+    cr: the CR as parsed by its handler; a body (tests, bench scripts) is parsed here, at render's door.
+
     registry: where kvferry's own images come from (presets' engine image, the default router image).
     router_image: the router's (and injector's) image when the CR names none; empty = the operator
     image in `registry`.
@@ -351,9 +353,8 @@ def render(
     to an autoscaler, so the apply never moves them (None: StatefulSet absent, start at spec value).
     operator_namespace: where the operator runs (its pods are the engines' default metrics readers).
     """
-    meta = cr.get("metadata", {})
-    cr_name, namespace = meta.get("name", ""), meta.get("namespace") or "default"
-    spec = parse_spec(cr.get("spec"), cr_name)
+    cr = cr if isinstance(cr, Inference) else Inference.of(cr)
+    cr_name, namespace, spec = cr.meta.name, cr.meta.namespace, cr.spec
     observed = observed_replicas or {}
     plans = {role: merge(spec, role, registry) for role in names.ROLES}
     router_image = router_image or images.operator_image(registry)
@@ -396,7 +397,7 @@ def render(
             if role_ctx and role_ctx["nodes"] > 1 and template == "statefulset.yaml.j2":
                 docs = [leader_worker_set(sts, role_ctx["nodes"]) for sts in docs]
             objects += docs
-    if meta.get("uid"):
+    if cr.meta.uid:
         for obj in objects:
-            obj["metadata"]["ownerReferences"] = [owner_reference(cr)]
+            obj["metadata"]["ownerReferences"] = [owner_reference(cr.meta)]
     return Rendered(objects=objects, revision=revision, spec=spec)

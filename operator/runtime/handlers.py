@@ -30,7 +30,7 @@ from kvferry.operator.reconcile import network, steps
 from kvferry.operator.reconcile.apply import RENDERED_KINDS, RESOURCES, Kube, load_configuration
 from kvferry.operator.runtime import finalizers, peering, selfmetrics, shard
 from kvferry.operator.runtime.config import OperatorConfig
-from kvferry.operator.spec import GROUP, PLURAL, VERSION, names
+from kvferry.operator.spec import GROUP, PLURAL, VERSION, Inference, names
 from kvferry.operator.status import publish, scrape
 
 CR = (GROUP, VERSION, PLURAL)
@@ -243,7 +243,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             if cr is None or cr["metadata"].get("deletionTimestamp"):
                 return  # deleted meanwhile
             watched = watched_by(owned, cr)
-            outcome = timed("owned", lambda: steps.refresh_status(memo.kube, cr, watched))
+            outcome = timed("owned", lambda: steps.refresh_status(memo.kube, Inference.of(cr), watched))
             # kopf's event posting reads its settings from a context variable its own threads carry:
             # post from a copy of a handler thread's context (one per run: a context is not shareable).
             memo.views["context"].copy().run(post, _ref(cr), outcome)
@@ -305,7 +305,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         trigger = getattr(reason, "value", str(reason))
         stored = stored_by(indexes.get("copies"), body)
         kw = {"trigger": trigger, "watched": watched_by(owned, body), "stored": stored}
-        outcome = timed(trigger, lambda: steps.reconcile(memo.kube, _plain(body), cfg, **kw))
+        outcome = timed(trigger, lambda: steps.reconcile(memo.kube, Inference.of(_plain(body)), cfg, **kw))
         post(body, outcome)
         raise_for(outcome)
 
@@ -340,7 +340,8 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
                 return  # the GC is removing everything; re-applying would fight it
             kw = {"event_type": event["type"], "obj": _plain(body), "watched": watched_by(owned, cr)}
             kw["refresh"] = lambda: memo.refreshes.request(key)
-            run = lambda: timed("owned", lambda: steps.on_owned_change(memo.kube, cr, cfg, **kw))  # noqa: E731
+            parsed = Inference.of(cr)
+            run = lambda: timed("owned", lambda: steps.on_owned_change(memo.kube, parsed, cfg, **kw))  # noqa: E731
 
             async def check() -> None:
                 # Render and apply block on the API server: on kopf's threads, with kopf's context (posting).
@@ -360,7 +361,8 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         registry=registry,
     )
     def transfer_status(body: kopf.Body, memo: kopf.Memo, owned: kopf.Index, **_: Any) -> None:
-        events = scrape.scrape(memo.kube, _plain(body), cfg, memo.fetch, watched_by(owned, body), memo.nodes)
+        cr = Inference.of(_plain(body))
+        events = scrape.scrape(memo.kube, cr, cfg, memo.fetch, watched_by(owned, body), memo.nodes)
         post(body, steps.Outcome(events=events))
 
     @kopf.timer(
@@ -373,7 +375,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     )
     def resync(body: kopf.Body, memo: kopf.Memo, owned: kopf.Index, **_: Any) -> None:
         kw = {"trigger": "resync", "watched": watched_by(owned, body)}
-        run = lambda: steps.reconcile(memo.kube, _plain(body), cfg, **kw)  # noqa: E731
+        run = lambda: steps.reconcile(memo.kube, Inference.of(_plain(body)), cfg, **kw)  # noqa: E731
         post(body, timed("resync", run))
 
     @kopf.on.event(*CR, id="stale-finalizers", when=mine, registry=registry)

@@ -6,7 +6,8 @@ the same constraints offline so `kvferry render` rejects what the API server wou
 
 One module per concern: `constants` (API identity, presets' limits), `fields` (the documented field
 helper), `types` (the spec sections; a new section may live in its own module and be one field of
-`Spec`), `rules` (cross-field CEL rules with Python twins), `parse` (offline validation).
+`Spec`), `rules` (cross-field CEL rules with Python twins), `parse` (offline validation), `inference` (a CR
+body parsed once into typed metadata and spec: what render, status and autoscale take).
 """
 
 from kvferry.operator.spec.constants import (
@@ -25,6 +26,7 @@ from kvferry.operator.spec.constants import (
     VERSION,
 )
 from kvferry.operator.spec.fields import Obj, f
+from kvferry.operator.spec.inference import Inference, Meta
 from kvferry.operator.spec.parse import SpecError, camel, parse_dataclass, parse_spec, unwrap_optional
 from kvferry.operator.spec.rules import NAME_RULE, RULES, Rule
 from kvferry.operator.spec.types import (
@@ -55,7 +57,9 @@ __all__ = [
     "SINGULAR",
     "VERSION",
     "Engine",
+    "Inference",
     "KvTransfer",
+    "Meta",
     "ModelToken",
     "NetworkPolicy",
     "Obj",

@@ -8,11 +8,9 @@ admission changes nothing the operator watches while the group waits for quota.
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvferry.operator.reconcile.apply import Kube, KubeError
 from kvferry.operator.render.placement import gang_group
-from kvferry.operator.spec import Spec, SpecError, parse_spec
+from kvferry.operator.spec import Inference, Spec
 from kvferry.operator.status import admission
 from kvferry.operator.status.conditions import Reason, Verdict
 
@@ -28,14 +26,9 @@ def observe(kube: Kube, spec: Spec, namespace: str, cr_name: str) -> Verdict:
         return ("Unknown", Reason.NO_GANG_SCHEDULER, f"cannot read gang admission: {exc}")
 
 
-def observe_if_kueue(kube: Kube, cr: dict[str, Any]) -> Verdict | None:
-    """For the timer: the verdict of a `gang: kueue` CR, else None (the reconcile's stays)."""
-    raw = cr.get("spec") or {}
-    if (raw.get("placement") or {}).get("gang") != "kueue":
+def observe_if_kueue(kube: Kube, cr: Inference) -> Verdict | None:
+    """For the timer: the verdict of a `gang: kueue` CR, else None (the reconcile's stays, and the
+    reconcile reports an invalid spec)."""
+    if not cr.valid or cr.spec.placement.gang != "kueue":
         return None
-    try:
-        spec = parse_spec(raw)
-    except SpecError:
-        return None  # the reconcile reports invalid specs
-    meta = cr["metadata"]
-    return observe(kube, spec, meta["namespace"], meta["name"])
+    return observe(kube, cr.spec, cr.meta.namespace, cr.meta.name)

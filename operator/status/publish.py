@@ -6,6 +6,8 @@ watch event (workloads), the metrics timer (transfer health). What a trigger did
 from the status it builds on, so no trigger can overwrite another's finding with a guess.
 Writes are optimistic (the CR's resourceVersion): on a conflict the status is recomputed from what the
 other writer wrote, and a writer whose watched workloads moved on during its write writes again.
+`publish` takes the CR as parsed at the edge (spec.Inference); `write_status` works on its body, the copy
+whose resourceVersion the patch is conditional on, and on the fresh bodies a conflict makes it read.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from kvferry.operator.fleet.packed import pack, unpack
 from kvferry.operator.reconcile.apply import Kube, KubeError, now_iso
-from kvferry.operator.spec import names
+from kvferry.operator.spec import Inference, names
 from kvferry.operator.status import conditions as status
 from kvferry.operator.status.conditions import Observed, Verdict
 
@@ -31,16 +33,25 @@ def no_watch(_role: str) -> dict[str, Any] | None:
 
 
 def desired_replicas(
-    cr: dict[str, Any], sts: dict[str, dict[str, Any] | None] | None = None
+    cr: Inference,
+    sts: dict[str, dict[str, Any] | None] | None = None,
+    previous: dict[str, Any] | None = None,
 ) -> dict[str, int]:
-    """Replicas each role should have: the spec's, or the StatefulSet's own where an autoscaler owns them."""
-    spec, sts = cr.get("spec") or {}, sts or {}
+    """Replicas each role should have: the spec's, or the StatefulSet's own where an autoscaler owns them.
+
+    An invalid spec has no replicas to trust: each role keeps the desired count its status (`previous`,
+    else the CR's) last showed.
+    """
+    sts, shown = sts or {}, cr.status if previous is None else previous
     out = {}
     for role in names.ROLES:
-        rspec = spec.get(role) or {}
+        if not cr.valid:
+            out[role] = int((shown.get(role) or {}).get("desired", 1))
+            continue
+        rspec = getattr(cr.spec, role)
         current = (sts.get(role) or {}).get("spec", {}).get("replicas")
-        autoscaled = rspec.get("replicasOwner") == "autoscaler" and current is not None
-        out[role] = int(current if autoscaled else rspec.get("replicas", 1))
+        autoscaled = rspec.replicas_owner == "autoscaler" and current is not None
+        out[role] = int(current if autoscaled else rspec.replicas)
     return out
 
 
@@ -174,7 +185,7 @@ TransferFinding = Callable[[dict[str, Any]], tuple[dict[str, Any], Verdict]]
 
 def publish(
     kube: Kube,
-    cr: dict[str, Any],
+    cr: Inference,
     observed: Observed,
     watched: Watched,
     *,
@@ -186,8 +197,8 @@ def publish(
 
     generation/revision: the reconcile's (None: keep the status's own, for refresh and timer).
     """
-    meta, spec = cr["metadata"], cr.get("spec") or {}
-    router_replicas = int((spec.get("router") or {}).get("replicas", 1))
+    meta = cr.meta
+    router_replicas = cr.spec.router.replicas if cr.valid else 1
 
     def compute(prev: dict[str, Any], seen: Observed) -> dict[str, Any]:
         if transfer is not None:
@@ -195,14 +206,14 @@ def publish(
             seen = replace(seen, transfer=verdict, transfer_summary=summary)
         return status.summarize(
             seen,
-            cr_name=meta["name"],
-            namespace=meta["namespace"],
+            cr_name=meta.name,
+            namespace=meta.namespace,
             generation=prev.get("observedGeneration", 0) if generation is None else generation,
             revision=prev.get("revision", "") if revision is None else revision,
-            desired=desired_replicas(cr, seen.statefulsets),
+            desired=desired_replicas(cr, seen.statefulsets, prev),
             router_replicas=router_replicas,
             previous=prev,
             now=now_iso(),
         )
 
-    return write_observed_status(kube, cr, observed, watched, compute)
+    return write_observed_status(kube, cr.body, observed, watched, compute)

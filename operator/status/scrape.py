@@ -25,7 +25,7 @@ from kvferry.operator.reconcile.apply import Kube, not_controlled, now_iso
 from kvferry.operator.reconcile.steps import Event
 from kvferry.operator.runtime import selfmetrics
 from kvferry.operator.runtime.config import OperatorConfig, check_template
-from kvferry.operator.spec import EFA_ACCELERATORS, names
+from kvferry.operator.spec import EFA_ACCELERATORS, Inference, Meta, names
 from kvferry.operator.status import conditions as status
 from kvferry.operator.status import gang, landed, podchecks, remedies
 from kvferry.operator.status import transfer as transfer_metrics
@@ -138,20 +138,19 @@ def texts_from_pods(
     }
 
 
-def _watched_or_read(kube: Kube, cr: dict[str, Any], watched: Watched) -> Watched:
+def _watched_or_read(kube: Kube, meta: Meta, watched: Watched) -> Watched:
     """The watch's copy of each workload, else one read (a timer may fire before the index has it)."""
-    meta = cr["metadata"]
-    kinds = {role: ("StatefulSet", names.role_name(meta["name"], role)) for role in names.ROLES}
-    kinds["router"] = ("Deployment", names.router_name(meta["name"]))
+    kinds = {role: ("StatefulSet", names.role_name(meta.name, role)) for role in names.ROLES}
+    kinds["router"] = ("Deployment", names.router_name(meta.name))
     copies = {
-        role: watched(role) or kube.get(kind, meta["namespace"], name) for role, (kind, name) in kinds.items()
+        role: watched(role) or kube.get(kind, meta.namespace, name) for role, (kind, name) in kinds.items()
     }
     return lambda role: watched(role) or copies.get(role)
 
 
-def role_owners(cr: dict[str, Any], workloads: Watched) -> dict[str, str]:
+def role_owners(meta: Meta, workloads: Watched) -> dict[str, str]:
     """Role -> UID of its StatefulSet, for the roles whose StatefulSet the CR controls (by UID)."""
-    uid = cr["metadata"].get("uid", "")
+    uid = meta.uid
     out = {}
     for role in names.ROLES:
         sts = workloads(role)
@@ -174,30 +173,31 @@ def engine_pods_of(pods: list[dict[str, Any]], owners: dict[str, str]) -> list[d
 
 def scrape(
     kube: Kube,
-    cr: dict[str, Any],
+    cr: Inference,
     cfg: OperatorConfig,
     fetch: Fetch,
     watched: Watched = no_watch,
     nodes: network.NodeLayers | None = None,
 ) -> list[Event]:
     """Read the engines' metrics and publish the TransferHealthy verdict (with every other condition);
-    with `nodes`, first label the engine pods with their nodes' network layers (network.py)."""
-    meta, spec = cr["metadata"], cr.get("spec") or {}
-    previous = cr.get("status") or {}
-    workloads = _watched_or_read(kube, cr, watched)
-    owners = role_owners(cr, workloads)
+    with `nodes`, first label the engine pods with their nodes' network layers (network.py). A CR whose
+    spec is invalid is left to the reconcile, which reports it."""
+    if not cr.valid:
+        return []
+    meta, spec, previous = cr.meta, cr.spec, cr.status
+    workloads = _watched_or_read(kube, meta, watched)
+    owners = role_owners(meta, workloads)
     # Nothing rendered yet. A revision is not written while an apply reports a Conflict, yet the
     # roles it did apply serve: their StatefulSets (the CR's own, by UID) are what counts.
     if not previous.get("revision") and not owners:
         return []
-    pods = kube.list("Pod", meta["namespace"], {names.LABEL_NAME: names.fit(meta["name"])})
+    pods = kube.list("Pod", meta.namespace, {names.LABEL_NAME: names.fit(meta.name)})
     pods = engine_pods_of(pods, owners)
     if nodes is not None:
         network.label_pods(kube, pods, owners, nodes)
     refusal = podchecks.start_failure(pods)  # a kvferry start-up step refused: pods never serve
     read = texts_from_router if cfg.transfer_source == "router" else texts_from_pods
-    texts = read(pods, cfg, fetch, meta["name"])
-    kv = spec.get("kvTransfer") or {}
+    texts = read(pods, cfg, fetch, meta.name)
     verdicts: list[Verdict] = []
 
     def finding(before: dict[str, Any]) -> tuple[dict[str, Any], Verdict]:
@@ -206,8 +206,8 @@ def scrape(
             texts["prefill"],
             texts["decode"],
             previous=before,
-            mode=kv.get("mode", "push"),
-            efa=spec.get("accelerator") in EFA_ACCELERATORS,
+            mode=spec.kv_transfer.mode,
+            efa=spec.accelerator in EFA_ACCELERATORS,
             now=now,
         )
         if refusal is not None:

@@ -16,7 +16,7 @@ import yaml
 from kvferry.contracts import versions
 from kvferry.operator.reconcile import steps
 from kvferry.operator.runtime.config import OperatorConfig
-from kvferry.operator.spec import names
+from kvferry.operator.spec import Inference, names
 
 from tests.cluster.operator_fixtures import OPERATOR_NAMESPACE
 from tests.unit.operator.cases import make_inference
@@ -27,7 +27,7 @@ OLD, NEW = "registry.example/kvferry/operator:0.1.0", "registry.example/kvferry/
 
 def _reconcile(cluster, kube, injector: str) -> str:
     cfg = OperatorConfig(router_image=injector, operator_namespace=OPERATOR_NAMESPACE)
-    out = steps.reconcile(kube, cluster.cr(NAME), cfg, trigger="update")
+    out = steps.reconcile(kube, Inference.of(cluster.cr(NAME)), cfg, trigger="update")
     assert not (out.failed or out.conflict or out.invalid), out
     return cluster.cr(NAME)["status"]["revision"]
 

@@ -8,6 +8,7 @@ import json
 
 from kvferry.operator.reconcile import steps
 from kvferry.operator.runtime.config import OperatorConfig
+from kvferry.operator.spec import Inference
 
 from tests.cluster.operator_fixtures import OPERATOR_NAMESPACE
 from tests.unit.operator.cases import make_inference
@@ -79,7 +80,7 @@ def test_an_object_created_or_replaced_between_check_and_apply_is_not_taken_over
         "race-config",
         lambda: cluster.core.create_namespaced_config_map(cluster.ns, foreign),
     )
-    out = steps.reconcile(operator_kube, cluster.cr("race"), cfg, trigger="create")
+    out = steps.reconcile(operator_kube, Inference.of(cluster.cr("race")), cfg, trigger="create")
     assert fired == ["ConfigMap race-config"]
     assert _untouched(cluster, "configmap", "race-config")["data"] == {"owner": "team-b"}
     assert "ConfigMap race-config exists and is not" in out.conflict, out
@@ -101,7 +102,7 @@ def test_an_object_created_or_replaced_between_check_and_apply_is_not_taken_over
 
     assert cluster.get("service", "race")["metadata"]["ownerReferences"][0]["name"] == "race"
     fired = _before_apply_of(operator_kube, "Service", "race", replace_ours)
-    out = steps.reconcile(operator_kube, cluster.cr("race"), cfg, trigger="update")
+    out = steps.reconcile(operator_kube, Inference.of(cluster.cr("race")), cfg, trigger="update")
     assert fired == ["Service race"]
     theirs = _untouched(cluster, "service", "race")["spec"]
     assert ([p["port"] for p in theirs["ports"]], theirs["selector"]) == ([9], {"app": "b"})

@@ -13,6 +13,7 @@ from kvferry.operator.reconcile import steps
 from kvferry.operator.reconcile.apply import KubeError, NotControlled
 from kvferry.operator.reconcile.network import NodeLayers
 from kvferry.operator.runtime.config import OperatorConfig
+from kvferry.operator.spec import Inference
 from kvferry.operator.status import scrape
 
 from tests.cluster.operator_fixtures import OPERATOR_NAMESPACE
@@ -73,15 +74,16 @@ def test_a_cr_never_scales_or_labels_what_another_team_named_like_its_objects(cl
     )
     cluster.apply(autoscaled.obj())
     cfg = OperatorConfig(operator_namespace=OPERATOR_NAMESPACE)
-    out = steps.reconcile(operator_kube, cluster.cr("db"), cfg, trigger="create")
+    out = steps.reconcile(operator_kube, Inference.of(cluster.cr("db")), cfg, trigger="create")
     assert "StatefulSet db-prefill exists and is not" in out.conflict, out
     assert cluster.get("statefulset", "db-decode")["metadata"]["ownerReferences"][0]["name"] == "db"
     # No revision after a Conflict: the autoscaler and the metrics timer wait for one.
     assert not cluster.cr("db")["status"].get("revision"), cluster.cr("db")["status"]
 
     # Even a CR that had a revision (reconciled before the foreign object took the name):
-    cr = cluster.cr("db")
-    cr["status"]["revision"] = "r-earlier"
+    body = cluster.cr("db")
+    body["status"]["revision"] = "r-earlier"
+    cr = Inference.of(body)
     events = Autoscaler().evaluate(operator_kube, cr, cfg, fetch=lambda url: None)
     assert cluster.get("statefulset", "db-prefill")["spec"]["replicas"] == 1, events
     assert cluster.get("statefulset", "db-decode")["spec"]["replicas"] == 1  # not planned from theirs either
@@ -112,8 +114,8 @@ def test_engine_pods_of_the_crs_own_statefulset_are_labelled(cluster, operator_k
     """The positive side of the same gate: a pod the CR's own StatefulSet controls gets its labels."""
     cluster.apply(make_inference("own", accelerator="p5en").obj())
     cfg = OperatorConfig(operator_namespace=OPERATOR_NAMESPACE)
-    out = steps.reconcile(operator_kube, cluster.cr("own"), cfg, trigger="create")
+    out = steps.reconcile(operator_kube, Inference.of(cluster.cr("own")), cfg, trigger="create")
     assert not out.conflict and not out.failed, out
     _bound(cluster, "own-prefill-0")
-    scrape.scrape(operator_kube, cluster.cr("own"), cfg, lambda url: None, nodes=NodeSays())
+    scrape.scrape(operator_kube, Inference.of(cluster.cr("own")), cfg, lambda url: None, nodes=NodeSays())
     assert cluster.get("pod", "own-prefill-0")["metadata"]["labels"][LAYER] == "nn-a"

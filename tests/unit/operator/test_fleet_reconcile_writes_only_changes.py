@@ -15,7 +15,7 @@ from kvferry.operator.reconcile.drift import up_to_date
 from kvferry.operator.render.objects import render
 from kvferry.operator.runtime.config import OperatorConfig, check_shard
 from kvferry.operator.runtime.shard import owns, shard_of
-from kvferry.operator.spec import names
+from kvferry.operator.spec import Inference, names
 
 from tests.unit.operator.cases import make_inference
 
@@ -76,7 +76,9 @@ def _cr() -> dict[str, Any]:
 
 
 def _reconcile(kube: CountingKube, trigger: str) -> steps.Outcome:
-    return steps.reconcile(kube, copy.deepcopy(kube.cr), CFG, trigger=trigger, stored=kube.stored)
+    return steps.reconcile(
+        kube, Inference.of(copy.deepcopy(kube.cr)), CFG, trigger=trigger, stored=kube.stored
+    )
 
 
 def test_first_reconcile_creates_each_object_in_one_request_then_nothing_is_rewritten() -> None:

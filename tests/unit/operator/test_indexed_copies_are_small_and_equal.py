@@ -12,7 +12,7 @@ import pytest
 from kvferry.operator.fleet import packed
 from kvferry.operator.render.objects import render
 from kvferry.operator.runtime import handlers
-from kvferry.operator.spec import names
+from kvferry.operator.spec import Inference, names
 from kvferry.operator.status.conditions import Observed, summarize
 from kvferry.operator.status.publish import desired_replicas, newer
 
@@ -63,7 +63,7 @@ def _status(cr: dict[str, Any], sets: dict[str, dict[str, Any]]) -> dict[str, An
         namespace=NS,
         generation=3,
         revision=render(cr).revision,
-        desired=desired_replicas(cr, statefulsets),
+        desired=desired_replicas(Inference.of(cr), statefulsets),
         router_replicas=1,
         previous={},
         now="t",
@@ -92,7 +92,7 @@ def test_the_trimmed_workload_gives_the_status_of_the_whole_object(status: dict,
     full = _workloads(cr, status)
     trimmed = {role: handlers.watched_copy(obj) for role, obj in full.items()}
     assert _status(cr, trimmed) == _status(cr, full)
-    assert desired_replicas(cr, trimmed) == desired_replicas(cr, full)
+    assert desired_replicas(Inference.of(cr), trimmed) == desired_replicas(Inference.of(cr), full)
     # the autoscaler's and newer()'s reads
     for role, obj in full.items():
         small = trimmed[role]

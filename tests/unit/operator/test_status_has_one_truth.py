@@ -11,7 +11,7 @@ from typing import Any
 from kvferry.operator.reconcile import steps
 from kvferry.operator.reconcile.apply import KubeError
 from kvferry.operator.runtime.config import OperatorConfig
-from kvferry.operator.spec import names
+from kvferry.operator.spec import Inference, names
 from kvferry.operator.status import scrape
 from kvferry.operator.status.conditions import DEGRADED_ORDER, ConditionType, Reason, condition
 
@@ -105,13 +105,15 @@ class FakeKube:
 
     # the three writers, as the handlers call them
     def reconcile(self) -> None:
-        steps.reconcile(self, copy.deepcopy(self.cr), CFG, trigger="resync", watched=self.watched)
+        steps.reconcile(
+            self, Inference.of(copy.deepcopy(self.cr)), CFG, trigger="resync", watched=self.watched
+        )
 
     def refresh(self) -> None:
-        steps.refresh_status(self, copy.deepcopy(self.cr), self.watched)
+        steps.refresh_status(self, Inference.of(copy.deepcopy(self.cr)), self.watched)
 
     def tick(self, text: str) -> None:
-        scrape.scrape(self, copy.deepcopy(self.cr), CFG, lambda url: text, self.watched)
+        scrape.scrape(self, Inference.of(copy.deepcopy(self.cr)), CFG, lambda url: text, self.watched)
 
     def now(self, ctype: ConditionType) -> tuple[str, str]:
         c = condition(self.cr["status"], ctype) or {}
