@@ -50,18 +50,20 @@ def _violation(contract: dict) -> tuple[str, str]:
     raise AssertionError(f"no planted violation for contract type {kind}: add one here")
 
 
-def test_every_contract_breaks_on_its_planted_violation(tmp_path: Path) -> None:
-    contracts = CONFIG["tool"]["importlinter"]["contracts"]
+def _copy(tmp_path: Path) -> Path:
+    """A copy of every portion, pyproject.toml and the stdlib_only contract type, to plant into."""
     tree = tmp_path / "tree"
     for folder in PACKAGE_DIRS.values():
         shutil.copytree(ROOT / folder, tree / "kvferry" / folder, ignore=NO_CACHES)
     shutil.copy(ROOT / "pyproject.toml", tree)
     (tree / "tests").mkdir()
-    shutil.copy(ROOT / "tests" / "layering.py", tree / "tests")  # the stdlib_only contract type
-    for contract in contracts:
-        _plant(tree, *_violation(contract))
+    shutil.copy(ROOT / "tests" / "layering.py", tree / "tests")
+    return tree
+
+
+def _lint(tree: Path) -> subprocess.CompletedProcess[str]:
     # The copy's kvferry (a namespace on PYTHONPATH) is found before the editable install's finder.
-    result = subprocess.run(
+    return subprocess.run(
         [str(Path(sys.executable).parent / "lint-imports"), "--no-cache", "--no-logo"],
         cwd=tree,
         env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
@@ -69,9 +71,30 @@ def test_every_contract_breaks_on_its_planted_violation(tmp_path: Path) -> None:
         text=True,
         timeout=120,
     )
+
+
+def test_every_contract_breaks_on_its_planted_violation(tmp_path: Path) -> None:
+    contracts = CONFIG["tool"]["importlinter"]["contracts"]
+    tree = _copy(tmp_path)
+    for contract in contracts:
+        _plant(tree, *_violation(contract))
+    result = _lint(tree)
     assert result.returncode != 0, result.stdout
     for contract in contracts:
         assert f"{contract['name']} BROKEN" in result.stdout, (contract["id"], result.stdout[-3000:])
+
+
+def test_the_pd_client_may_import_contracts_but_no_other_kvferry_module(tmp_path: Path) -> None:
+    # stdlib_only's allowed_modules: pdclient's own import of kvferry.contracts.params is kept, a
+    # sibling tool (serve.py: httpx, processes) is not.
+    (contract,) = [c for c in CONFIG["tool"]["importlinter"]["contracts"] if c["id"] == "pdclient-pure"]
+    tree = _copy(tmp_path)
+    _plant(tree, "kvferry.tools.pdclient", "kvferry.tools.serve")
+    result = _lint(tree)
+    assert f"{contract['name']} BROKEN" in result.stdout, result.stdout[-3000:]
+    broken = result.stdout.split(f"{contract['name']}\n", 1)[-1]
+    assert "- kvferry.tools.pdclient -> kvferry.tools.serve" in broken, broken[:3000]
+    assert "-> kvferry.contracts" not in broken, broken[:3000]
 
 
 ATTENTION_ATTRS = {"attn_backend", "get_attn_backend", "do_kv_cache_update"}
