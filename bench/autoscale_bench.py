@@ -41,10 +41,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autoscale_load import OpenLoop, Shape, buckets, pct
+from autoscale_load import OpenLoop, Shape, buckets
 from kvferry.local import tinymodel
 from kvferry.local.demo.stack import Stack, demo_cr, pod_ready
 from kvferry.local.demo.stack import wait_until as stack_wait
+from kvferry.tools.stats import percentile_or_none as pct
 
 NS, NAME = "autoscale-bench", "tiny"
 POD_CIDR = "10.213.3.0/24"
@@ -193,9 +194,9 @@ def summary(name: str, ph: dict[str, Any], args: argparse.Namespace) -> dict[str
 
     return {
         "phase": name,
-        "late_step_ttft_p50": pct([s["ttft"] for s in late], 0.5),
-        "late_step_ttft_p90": pct([s["ttft"] for s in late], 0.9),
-        "late_step_itl_p50": pct([s["itl"] for s in late if s["itl"] is not None], 0.5),
+        "late_step_ttft_p50": pct([s["ttft"] for s in late], 50),
+        "late_step_ttft_p90": pct([s["ttft"] for s in late], 90),
+        "late_step_itl_p50": pct([s["itl"] for s in late if s["itl"] is not None], 50),
         "planner_wants_2": {"prefill": wanted("P_desired"), "decode": wanted("D_desired")},
         "second_pod_ready": {"prefill": first("P"), "decode": first("D")},
         "ttft_under_target_from": under("ttft_p50", args.ttft),
@@ -242,7 +243,7 @@ async def p50_at(url: str, shape: Shape, rate: float, seconds: float, field: str
     await asyncio.sleep(seconds)
     load.stop()
     await task
-    value = pct([v for s in load.samples if (v := getattr(s, field)) is not None and not s.error], 0.5)
+    value = pct([v for s in load.samples if (v := getattr(s, field)) is not None and not s.error], 50)
     if value is None:
         raise RuntimeError(f"calibration: no request succeeded: {[s.error for s in load.samples][:3]}")
     return value

@@ -12,12 +12,12 @@ import asyncio
 import contextlib
 import json
 import random
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
+from kvferry.tools.stats import percentile_or_none as pct
 
 VOCAB = (10, 900)  # token ids inside the tiny model's vocabulary
 REQUEST_TIMEOUT_S = 180.0
@@ -101,13 +101,6 @@ class OpenLoop:
         self.samples.append(Sample(sent, ttft, itl, tokens, error))
 
 
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def buckets(samples: list[Sample], width_s: float, end_s: float) -> list[dict[str, float | int | None]]:
     """Per `width_s` of send time: requests, failures, TTFT p50/p90 and ITL p50 (seconds)."""
     out = []
@@ -119,7 +112,6 @@ def buckets(samples: list[Sample], width_s: float, end_s: float) -> list[dict[st
         itls = [s.itl for s in ok if s.itl is not None]
         out.append({
             "t": lo, "n": len(group), "failed": len(group) - len(ok),
-            "ttft_p50": pct(ttfts, 0.5), "ttft_p90": pct(ttfts, 0.9),
-            "itl_p50": statistics.median(itls) if itls else None,
+            "ttft_p50": pct(ttfts, 50), "ttft_p90": pct(ttfts, 90), "itl_p50": pct(itls, 50),
         })  # fmt: skip
     return out

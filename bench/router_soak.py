@@ -49,6 +49,7 @@ from kvferry.router import kvevents
 from kvferry.router.app import SERVE_OPTIONS, STATE, build_app
 from kvferry.router.config import parse_config
 from kvferry.router.prefix import prompt_keys
+from kvferry.tools.stats import percentile
 
 BLOCK = 16
 HOSTILE = ("huge", "oversized", "garbage", "frames", "seq", "hash", "events", "deep", "removed",
@@ -447,8 +448,7 @@ def report(figures: Figures, args: argparse.Namespace) -> str:
 def _p99_max(lags: list[float]) -> tuple[float, float]:
     if not lags:
         return 0.0, 0.0
-    ordered = sorted(lags)
-    return round(ordered[int(0.99 * (len(ordered) - 1))], 1), round(ordered[-1], 1)
+    return round(percentile(lags, 99), 1), round(max(lags), 1)
 
 
 def _pairs(counts: dict[str, Any]) -> str:

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 
 import httpx
 from kvferry.router.config import AuthConfig, ConfigError, read_api_key
+from kvferry.tools.stats import percentile
 
 
 @dataclass
@@ -65,16 +65,6 @@ class Cell:
     e2e_p50_ms: float = 0.0
     req_per_s: float = 0.0
     errors: list[str] = field(default_factory=list)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in 0..100); NaN when empty."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def arrivals(rate: float, count: int, rng: random.Random) -> list[float]:
@@ -155,7 +145,7 @@ def summarize(length: int, rate: float, results: list[Result], wall_s: float) ->
         length=length, rate=rate, ok=len(good), failed=len(results) - len(good),
         ttft_ms={"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
         tpot_ms={"p50": percentile(tpot, 50), "p99": percentile(tpot, 99)},
-        e2e_p50_ms=statistics.median([r.e2e_s * 1000 for r in good]) if good else float("nan"),
+        e2e_p50_ms=percentile([r.e2e_s * 1000 for r in good], 50),
         req_per_s=len(good) / wall_s if wall_s > 0 else 0.0,
         errors=sorted({r.error for r in results if not r.ok})[:5],
     )  # fmt: skip

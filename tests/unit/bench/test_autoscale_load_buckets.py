@@ -18,5 +18,6 @@ def test_buckets_split_by_send_time_and_leave_failures_out_of_the_latency() -> N
     samples.append(load.Sample(4, None, None, 0, "HTTP 503"))
     out = load.buckets(samples, 10.0, 20.0)
     assert [b["n"] for b in out] == [4, 1, 0]
-    assert out[0]["failed"] == 1 and out[0]["ttft_p50"] == 0.7 and out[0]["ttft_p90"] == 0.9
+    assert out[0]["failed"] == 1 and out[0]["ttft_p50"] == 0.7
+    assert abs(out[0]["ttft_p90"] - 0.86) < 1e-9  # linear between 0.7 and 0.9, as every bench reports
     assert out[1]["ttft_p50"] == 4.0 and out[2]["ttft_p50"] is None and out[2]["itl_p50"] is None

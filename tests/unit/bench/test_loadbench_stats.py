@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import random
 
-from kvferry.tools.loadbench import Result, arrivals, markdown, percentile, prompts, summarize
+from kvferry.tools.loadbench import Result, arrivals, markdown, prompts, summarize
 
 
 def test_arrivals_are_seeded_and_have_the_asked_mean_rate() -> None:
@@ -13,12 +12,6 @@ def test_arrivals_are_seeded_and_have_the_asked_mean_rate() -> None:
     assert a == arrivals(4.0, 2000, random.Random("s"))
     assert a[0] == 0.0 and all(x < y for x, y in zip(a, a[1:], strict=False))
     assert abs((len(a) - 1) / a[-1] - 4.0) < 0.4
-
-
-def test_percentile_interpolates_and_handles_empty() -> None:
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert percentile([5.0], 99) == 5.0
-    assert math.isnan(percentile([], 50))
 
 
 def test_prompts_have_exact_lengths_and_differ() -> None:
