@@ -1,7 +1,7 @@
 """`kvferry gpu-check-vllm`: SKIP (exit 0) without a CUDA device, and the pure parts of its package
-kvferry.tools.gpucheck.vllmpd: the case matrix, server commands and environments per role, the kvferry request
-pair, output comparison, histogram deltas and quantiles from /metrics, tinymodel shape options, the
-KV buffer device dimension (host staging), and the log lines it reports."""
+kvferry.tools.gpucheck.vllmpd: the case matrix, server commands and environments per role, the
+kvferry request pair, output comparison, histogram deltas and quantiles from /metrics, the tiny
+model's build command, the KV buffer device dimension (host staging), and the log lines it reports."""
 
 from __future__ import annotations
 
