@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.local.tinymodel import ensure
-from kvferry.router.promtext import metric_sum, parse_metrics
 from kvferry.tools import loadbench
 from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -25,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.local.tinymodel import ensure
-from kvferry.router.promtext import metric_sum, parse_metrics
 from kvferry.tools.pdstack import PdStack, RouterProcess
+from kvferry.tools.stats import percentile
 
 POLICIES = ("fail", "recompute")
 
@@ -55,12 +55,6 @@ def run_requests(url: str, n: int, length: int, max_tokens: int, decode: Any = N
     return out
 
 
-def pct(values: list[float], q: float) -> float:
-    return (
-        statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
-    )
-
-
 def measure(policy: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     stack = PdStack("kvferry", ensure("llama"), workdir / policy, load_failure_policy=policy)
     failing = None
@@ -84,11 +78,11 @@ def measure(policy: str, args: argparse.Namespace, workdir: Path) -> dict[str, A
     pairs = [(f["s"], h["s"]) for f, h in zip(failed, healthy, strict=True) if f["load_failed"]]
     return {
         "policy": policy,
-        "healthy_p50_s": pct([r["s"] for r in healthy], 50),
+        "healthy_p50_s": percentile([r["s"] for r in healthy], 50),
         # only the requests whose transfer failed, against the same prompts' healthy latency
-        "failed_p50_s": pct([f for f, _ in pairs], 50) if pairs else float("nan"),
-        "failed_p90_s": pct([f for f, _ in pairs], 90) if pairs else float("nan"),
-        "failed_over_healthy_p50": pct([f / h for f, h in pairs], 50) if pairs else float("nan"),
+        "failed_p50_s": percentile([f for f, _ in pairs], 50),
+        "failed_p90_s": percentile([f for f, _ in pairs], 90),
+        "failed_over_healthy_p50": percentile([f / h for f, h in pairs], 50),
         "client_errors": sum(r["status"] != 200 for r in failed),
         "wrong_answers": wrong,
         "router_recomputes": metric_sum(router, "kvferry_router_recomputes_total"),

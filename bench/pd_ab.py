@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvferry.contracts.promtext import metric_sum
 from kvferry.local.tinymodel import ensure
-from kvferry.router.promtext import metric_sum
 from kvferry.tools import vllmbench
 from kvferry.tools.pdstack import LOAD_ON, PdStack, add_placement_arguments
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from kvferry.contracts.promtext import parse_metrics
 from kvferry.local.tinymodel import ensure
-from kvferry.router.promtext import parse_metrics
 from kvferry.tools import loadbench, vllmbench
 from kvferry.tools.pdstack import LOAD_ON, PdStack, add_placement_arguments, kvferry_connector_available
 from kvferry.tools.serve import ServerSpec, VllmProcess, free_port

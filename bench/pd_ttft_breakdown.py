@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.local.tinymodel import ensure
 from kvferry.router import params as legs
 from kvferry.router.config import Endpoint
-from kvferry.router.promtext import metric_sum, parse_metrics
 from kvferry.tools.pdstack import LOAD_ON, PdStack, add_placement_arguments
 
 WAYS = ("engine", "prefill-alone", "prefill-with-push", "router")

@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.local.tinymodel import ensure
-from kvferry.router.promtext import metric_sum, parse_metrics
 from kvferry.tools import loadbench
 from kvferry.tools.pdstack import PdStack
 from kvferry.tools.serve import ServerSpec, VllmProcess, free_port

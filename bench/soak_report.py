@@ -13,7 +13,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from kvferry.router.promtext import parse_metrics
+from kvferry.contracts.promtext import parse_metrics
 
 if TYPE_CHECKING:
     from soak import Soak

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from kvferry.contracts.pods import POOL_METRICS_PATH
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.router import bounded, early, poolstatus
 from kvferry.router import params as legs
 from kvferry.router.aggregate import Aggregator, AnswerTooLarge
@@ -29,7 +30,6 @@ from kvferry.router.framing import EventFramer
 from kvferry.router.kvfeed import KvEventFeed
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.prefix import PrefixIndex
-from kvferry.router.promtext import metric_sum, parse_metrics
 from kvferry.router.routing import Plan, Planner
 from kvferry.router.selection import LoadTracker, NoBackendError, OverloadedError, Selector
 

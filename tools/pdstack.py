@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 import yaml
-from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.tools.serve import ServerSpec, VllmProcess, _descendants, free_port, parse_cores, pin_tree
 
 CONNECTORS = {"vllm-pull": "NixlConnector", "vllm-push": "NixlPushConnector", "kvferry": "KvferryConnector"}

@@ -34,7 +34,7 @@ from typing import IO, Any
 import httpx
 from kvferry.connector.plugins.shm_wait import DEFAULT_SLEEP_S, ENV_SHM_WAIT_SLEEP_S
 from kvferry.connector.plugins.upstream_patches import ENV_NO_PROGRESS_THREAD
-from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 
 __all__ = ["ServerSpec", "VllmProcess", "free_port", "metric_sum", "parse_metrics"]
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from kvferry.contracts import promtext
 from kvferry.operator.status import metricstext
 from kvferry.operator.status.transfer import quantile
-from prometheus_client.parser import text_string_to_metric_families
 
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
@@ -69,21 +69,20 @@ def parse_engine(text: str) -> EngineSample:
     gauges = {WAITING: 0.0, RUNNING: 0.0, KV_USAGE: 0.0}
     capacity: float | None = None  # waiting for scheduling capacity, where the engine says so
     prefill_s: float | None = None
-    for family in text_string_to_metric_families(metricstext.relevant(text, READ)):
-        for s in family.samples:
-            if s.name == WAITING_BY_REASON:
-                if s.labels.get("reason") == "capacity":
-                    capacity = (capacity or 0.0) + s.value
-            elif s.name == TTFT + "_bucket":
-                _add(ttft, s.labels["le"], s.value)
-            elif s.name == ITL + "_bucket":
-                _add(itl, s.labels["le"], s.value)
-            elif s.name == PREFILL_TIME + "_sum":
-                prefill_s = (prefill_s or 0.0) + s.value
-            elif s.name == KV_USAGE:
-                gauges[KV_USAGE] = max(gauges[KV_USAGE], s.value)  # engines report it per engine index
-            elif s.name in gauges:
-                gauges[s.name] += s.value
+    for s in promtext.samples(metricstext.relevant(text, READ)):
+        if s.name == WAITING_BY_REASON:
+            if s.labels.get("reason") == "capacity":
+                capacity = (capacity or 0.0) + s.value
+        elif s.name == TTFT + "_bucket":
+            _add(ttft, s.labels["le"], s.value)
+        elif s.name == ITL + "_bucket":
+            _add(itl, s.labels["le"], s.value)
+        elif s.name == PREFILL_TIME + "_sum":
+            prefill_s = (prefill_s or 0.0) + s.value
+        elif s.name == KV_USAGE:
+            gauges[KV_USAGE] = max(gauges[KV_USAGE], s.value)  # engines report it per engine index
+        elif s.name in gauges:
+            gauges[s.name] += s.value
     waiting = gauges[WAITING] if capacity is None else capacity
     return EngineSample(ttft, itl, waiting, gauges[RUNNING], gauges[KV_USAGE], prefill_s)
 

@@ -1,13 +1,13 @@
 """Engine /metrics text, cut to what the operator reads before anything parses it (pure).
 
-Engine pods run an image the CR's author chose, so their /metrics is untrusted input: prometheus_client's
-parser spends ~0.6 s of CPU per MiB, on the operator's threads, for every pod every interval. So a
-text is cut first, cheaply (a prefix test per line): only the families the operator reads
-(`kvferry_*`, and the `vllm:` ones transfer.py and autoscale/signals.py name) and their `# TYPE`
-lines are kept, lines longer than MAX_LINE are dropped, and at most MAX_LINES are kept. A real
-engine's relevant lines are a few hundred; what a hostile text can cost is bounded by these.
-Failure reasons (label values a peer or the engine chose) are cut to a known shape and count
-(`reason()`) before they reach status, events or condition messages.
+Engine pods run an image the CR's author chose, so their /metrics is untrusted input: even the parser
+(kvferry.contracts.promtext) spends ~50 ms of CPU per MiB, on the operator's threads, for every pod
+every interval, and a hostile text has no size of its own. So a text is cut first, cheaply (a prefix
+test per line): only the families the operator reads (`kvferry_*`, and the `vllm:` ones transfer.py
+and autoscale/signals.py name) and their `# TYPE` lines are kept, lines longer than MAX_LINE are
+dropped, and at most MAX_LINES are kept. A real engine's relevant lines are a few hundred; what a
+hostile text can cost is bounded by these. Failure reasons (label values a peer or the engine chose)
+are cut to a known shape and count (`reason()`) before they reach status, events or condition messages.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.contracts import metrics as m
+from kvferry.contracts import promtext
 from kvferry.operator.status import metricstext
 from kvferry.operator.status.conditions import Reason
-from prometheus_client.parser import text_string_to_metric_families
 
 # Counted on the producer (prefill) pods, which issue the writes; the vLLM names are the upstream
 # NixlConnector's, used when connector=vllm. kvferry names: kvferry.contracts.metrics.
@@ -57,36 +57,35 @@ READ = ("kvferry_", "vllm:nixl_", TOKENS_BY_SOURCE, "vllm:prefix_cache_")
 def parse(text: str) -> Sample:
     """Parse one pod's /metrics text. Raises ValueError on text that is not Prometheus exposition."""
     out = Sample()
-    for family in text_string_to_metric_families(metricstext.relevant(text, READ)):
-        for s in family.samples:
-            if s.name.startswith("kvferry_") and m.BACKEND in s.labels:
-                out.backends.add(s.labels[m.BACKEND])
-            if s.name == m.PREFLIGHT_OK:  # start-up checks: backend_<NAME> 1 names a loaded backend
-                check = s.labels.get(m.CHECK, "")
-                if check.startswith(m.CHECK_BACKEND) and s.value == 1:
-                    out.backends.add(check.removeprefix(m.CHECK_BACKEND))
-                out.ucx_on_efa |= check == m.CHECK_UCX_ON_EFA and s.value == 0
-                if s.value == 0 and check != m.CHECK_UCX_ON_EFA:
-                    out.failed_checks.add(check)
-            elif s.name in TRANSFERS:
-                out.transfers += s.value
-            elif s.name in FAILURES:
-                out.failures += s.value
-                label = s.labels.get(m.REASON, "unknown")
-                reason = metricstext.reason(label, out.failures_by_reason, ACTED_ON)
-                out.failures_by_reason[reason] = out.failures_by_reason.get(reason, 0) + s.value
-            elif s.name in {h + "_bucket" for h in HISTOGRAMS}:
-                le = float(s.labels["le"])
-                out.buckets[le] = out.buckets.get(le, 0) + s.value
-            elif s.name == PREFIX_QUERIES:
-                out.prefix_queries += s.value
-            elif s.name == PREFIX_HITS:
-                out.prefix_hits += s.value
-            elif s.name == TOKENS_BY_SOURCE:
-                if s.labels.get("source") == LOCAL:
-                    out.local_tokens += s.value
-                elif s.labels.get("source") == EXTERNAL:
-                    out.external_tokens += s.value
+    for s in promtext.samples(metricstext.relevant(text, READ)):
+        if s.name.startswith("kvferry_") and m.BACKEND in s.labels:
+            out.backends.add(s.labels[m.BACKEND])
+        if s.name == m.PREFLIGHT_OK:  # start-up checks: backend_<NAME> 1 names a loaded backend
+            check = s.labels.get(m.CHECK, "")
+            if check.startswith(m.CHECK_BACKEND) and s.value == 1:
+                out.backends.add(check.removeprefix(m.CHECK_BACKEND))
+            out.ucx_on_efa |= check == m.CHECK_UCX_ON_EFA and s.value == 0
+            if s.value == 0 and check != m.CHECK_UCX_ON_EFA:
+                out.failed_checks.add(check)
+        elif s.name in TRANSFERS:
+            out.transfers += s.value
+        elif s.name in FAILURES:
+            out.failures += s.value
+            label = s.labels.get(m.REASON, "unknown")
+            reason = metricstext.reason(label, out.failures_by_reason, ACTED_ON)
+            out.failures_by_reason[reason] = out.failures_by_reason.get(reason, 0) + s.value
+        elif s.name in {h + "_bucket" for h in HISTOGRAMS}:
+            le = float(s.labels["le"])
+            out.buckets[le] = out.buckets.get(le, 0) + s.value
+        elif s.name == PREFIX_QUERIES:
+            out.prefix_queries += s.value
+        elif s.name == PREFIX_HITS:
+            out.prefix_hits += s.value
+        elif s.name == TOKENS_BY_SOURCE:
+            if s.labels.get("source") == LOCAL:
+                out.local_tokens += s.value
+            elif s.labels.get("source") == EXTERNAL:
+                out.external_tokens += s.value
     return out
 
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import httpx
 import pytest
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.local.controlplane.processes import reserve_ports
 from kvferry.operator.spec import names
-from kvferry.router.promtext import metric_sum, parse_metrics
 
 from tests.cluster import agent_nodes
 from tests.cluster.drain_engine import TOKEN_S

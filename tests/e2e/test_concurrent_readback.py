@@ -27,8 +27,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from kvferry.contracts.promtext import metric_sum
 from kvferry.local.tinymodel import SHAPES, ensure
-from kvferry.router.promtext import metric_sum
 from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 
 from . import readback

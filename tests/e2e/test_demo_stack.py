@@ -27,11 +27,11 @@ import pytest
 from kvferry.contracts import metrics
 from kvferry.contracts.metrics import total
 from kvferry.contracts.pods import POOL_METRICS_PATH
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.local.demo.stack import Stack, demo_cr, pod_ready
 from kvferry.local.demo.traffic import REQUEST_TIMEOUT_S, complete, fixed_prompts, greedy_texts
 from kvferry.local.nodeagent import image
 from kvferry.local.nodeagent.kube import KubeError
-from kvferry.router.promtext import metric_sum, parse_metrics
 
 from tests.waiting import wait_until, wait_while_progressing
 

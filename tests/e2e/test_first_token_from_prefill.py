@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.tools.pdclient import TIE_LOGPROB, compare_greedy
 from kvferry.tools.pdstack import PdStack
 

@@ -11,7 +11,7 @@ import json
 
 import httpx
 import pytest
-from kvferry.router.promtext import metric_sum
+from kvferry.contracts.promtext import metric_sum
 from kvferry.tools.pdclient import completion_body, kvferry_legs
 from kvferry.tools.pdstack import PdStack, RouterProcess
 from kvferry.tools.serve import VllmProcess, free_port

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.tools.pdclient import completion_body
 from kvferry.tools.pdstack import PdStack
 from kvferry.tools.serve import VllmProcess

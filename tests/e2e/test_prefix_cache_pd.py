@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from kvferry.contracts.promtext import metric_sum
 from kvferry.local.tinymodel import SHAPES, ensure
-from kvferry.router.promtext import metric_sum
 from kvferry.tools.pdclient import completion_body, kvferry_legs, top2_gaps
 from kvferry.tools.serve import ServerSpec, VllmProcess, free_port
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.tools.pdstack import PdStack
 
 from tests.waiting import wait_until

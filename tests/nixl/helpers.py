@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import socket
 
-from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.tools.hostkv import CacheShape
 from kvferry.tools.rankproc import RankProcess, RankSpec
 

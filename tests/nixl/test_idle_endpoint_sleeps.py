@@ -11,7 +11,7 @@ import time
 import pytest
 from kvferry.connector.config import KvferryConfig
 from kvferry.connector.endpoint import Endpoint
-from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.tools.hostkv import CacheShape, host_kv
 from prometheus_client import generate_latest
 

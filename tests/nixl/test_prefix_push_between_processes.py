@@ -11,7 +11,7 @@ a first token inside a larger producer block with the heads split over two consu
 from __future__ import annotations
 
 import pytest
-from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.tools.hostkv import CacheShape
 
 from tests.nixl.helpers import expect_args

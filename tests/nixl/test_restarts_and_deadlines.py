@@ -22,7 +22,7 @@ import time
 
 import pytest
 from kvferry.contracts import metrics as names
-from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.tools.hostkv import CacheShape
 
 from tests.nixl.helpers import expect_args, free_port_pair, parked_on

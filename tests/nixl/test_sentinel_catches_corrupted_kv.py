@@ -10,7 +10,7 @@ then recomputes), counted in kvferry_sentinel_checks_total and kvferry_transfer_
 from __future__ import annotations
 
 import pytest
-from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.tools.hostkv import CacheShape
 
 from tests.nixl.helpers import expect_args

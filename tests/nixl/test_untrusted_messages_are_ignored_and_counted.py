@@ -11,7 +11,7 @@ import time
 import pytest
 from kvferry.connector.sidechannel import SideChannelServer, fetch_peer
 from kvferry.connector.wire import Done, PeerInfo, Registration, encode
-from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.tools.hostkv import CacheShape
 
 from tests.nixl.helpers import expect_args

@@ -1,4 +1,4 @@
-"""Engine /metrics comes from an image the CR's author chose: before prometheus_client parses it, the
+"""Engine /metrics comes from an image the CR's author chose: before it is parsed, the
 operator keeps only the families it reads, at most MAX_LINES lines of at most MAX_LINE characters,
 and failure reasons (label values a peer chose) of a known shape and number."""
 

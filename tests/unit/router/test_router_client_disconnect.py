@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.tools.pdstack import RouterProcess
 
 from tests.unit.router.engines import FakeEngine, config

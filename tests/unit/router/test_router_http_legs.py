@@ -8,7 +8,7 @@ import time
 
 import aiohttp
 from aiohttp.test_utils import TestClient
-from kvferry.router.promtext import metric_sum, parse_metrics
+from kvferry.contracts.promtext import metric_sum, parse_metrics
 
 from tests.unit.router.engines import FakeEngine, run
 from tests.waiting import wait_until_async

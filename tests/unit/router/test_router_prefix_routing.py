@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from kvferry.contracts.promtext import parse_metrics
 from kvferry.router.app import STATE, build_app
 from kvferry.router.config import ConfigError, parse_config
-from kvferry.router.promtext import parse_metrics
 
 from tests.unit.router.engines import FakeEngine
 
