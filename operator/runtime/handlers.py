@@ -10,6 +10,8 @@
   writes only what differs from the watch's copy. CRs and copies are packed (operator/fleet/packed.py), the
   workloads trimmed to what status reads (`watched_copy`): memory at 1,000 CRs.
 Handlers return None so kopf writes nothing into status; its progress lives in kvferry.io annotations.
+Each handler is a named function (`Handlers` methods where it needs the configuration); `register` at
+the end wires them, one kopf trigger and filter each.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import contextvars
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import kopf
@@ -75,7 +78,7 @@ def raise_for(outcome: steps.Outcome) -> None:
         raise kopf.TemporaryError(outcome.conflict, delay=CONFLICT_RETRY_S)
 
 
-def timed(trigger: str, run: Any) -> steps.Outcome:
+def timed(trigger: str, run: Callable[[], steps.Outcome]) -> steps.Outcome:
     """Run one reconcile, counting it by trigger and result in the operator's own metrics."""
     with selfmetrics.RECONCILE_SECONDS.time():
         outcome = run()
@@ -130,7 +133,8 @@ def watched_copy(body: Any) -> dict[str, Any]:
             out["spec"]["template"]["metadata"] = {k: tmeta[k] for k in ("labels",) if k in tmeta}
     if "status" in body:
         out["status"] = body["status"]
-    return json.loads(json.dumps(out))  # plain dicts of its own, nothing shared with kopf's body
+    plain: dict[str, Any] = json.loads(json.dumps(out))  # plain dicts of its own, nothing shared with kopf's
+    return plain
 
 
 def watched_by(owned: Any, cr: Any) -> publish.Watched:
@@ -199,19 +203,30 @@ def quiet_kopf_events() -> None:
             handler.addFilter(_warnings_only)
 
 
-def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
-    """Attach every handler to `registry`, with intervals taken from `cfg`."""
-    index, count = cfg.shard_of
+class Shard:
+    """The `when=` filters: this replica's CRs (`mine`) and the objects they own (`mine_owned`)."""
 
-    def mine(namespace: str, name: str, **_: Any) -> bool:
-        return shard.owns(namespace, name, index, count)
+    def __init__(self, index: int, count: int) -> None:
+        self.index, self.count = index, count
 
-    def mine_owned(body: kopf.Body, **_: Any) -> bool:
+    def mine(self, namespace: str, name: str, **_: Any) -> bool:
+        return shard.owns(namespace, name, self.index, self.count)
+
+    def mine_owned(self, body: kopf.Body, **_: Any) -> bool:
         key = owner_key(body)
-        return key is not None and shard.owns(*key, index, count)
+        return key is not None and shard.owns(*key, self.index, self.count)
 
-    @kopf.on.startup(registry=registry)
-    def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+
+class Handlers:
+    """The handlers that need the operator's configuration; each is registered by `register`."""
+
+    def __init__(self, cfg: OperatorConfig) -> None:
+        self.cfg = cfg
+        self.index, self.count = cfg.shard_of
+
+    def configure(self, settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        """Startup: kopf's persistence and execution settings, then what every handler shares in memo."""
+        cfg, index, count = self.cfg, self.index, self.count
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.KOPF_PREFIX)
         settings.persistence.diffbase_storage = ShardDiffBaseStorage(index, count, prefix=names.KOPF_PREFIX)
         settings.persistence.finalizer = shard_finalizer(index, count)  # kopf's, while timers run
@@ -219,9 +234,10 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         settings.background.cancellation_polling = 2
         settings.posting.level = 20  # INFO and up become Kubernetes events
         quiet_kopf_events()
-        settings.execution.max_workers = 8  # reconciles run in threads (the client is synchronous)
+        workers = 8  # reconciles run in threads (the client is synchronous)
+        settings.execution.max_workers = workers
         memo.executor = settings.execution.executor
-        memo.checks = Latest(settings.execution.max_workers)  # workload checks waiting for a thread
+        memo.checks = Latest(workers)  # workload checks waiting for a thread
         memo.kube = Kube.from_kubeconfig(cfg.kubeconfig or None)
         memo.kube.on_request = selfmetrics.record_request
         if cfg.peering and not cfg.standalone:  # startup runs before kopf starts peering
@@ -233,30 +249,14 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         memo.changes = Changes()
         # kopf gives each object a shallow copy of this memo: a dict set here is shared by all of them.
         memo.views = {}
-        memo.refreshes = Coalescer(refresher(memo), cfg.status_interval)
+        memo.refreshes = Coalescer(lambda key: refresh_status(memo, key), cfg.status_interval)
 
-    def refresher(memo: kopf.Memo) -> Any:
-        def refresh(key: Any) -> None:
-            # kopf hands indexes to handlers only: the workload handlers leave them in memo.views.
-            inferences, owned = memo.views["inferences"], memo.views["owned"]
-            cr = cr_of(inferences, key)
-            if cr is None or cr["metadata"].get("deletionTimestamp"):
-                return  # deleted meanwhile
-            watched = watched_by(owned, cr)
-            outcome = timed("owned", lambda: steps.refresh_status(memo.kube, Inference.of(cr), watched))
-            # kopf's event posting reads its settings from a context variable its own threads carry:
-            # post from a copy of a handler thread's context (one per run: a context is not shareable).
-            memo.views["context"].copy().run(post, _ref(cr), outcome)
-
-        return refresh
-
-    @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        # A private registry gets none of kopf's default login handlers; kopf must use exactly the
-        # credentials our own client uses (--kubeconfig, else in-cluster, else KUBECONFIG).
-        c = load_configuration(cfg.kubeconfig or None)
+    def login(self, **_: Any) -> kopf.ConnectionInfo:
+        """A private registry gets none of kopf's default login handlers; kopf must use exactly the
+        credentials our own client uses (--kubeconfig, else in-cluster, else KUBECONFIG)."""
+        c = load_configuration(self.cfg.kubeconfig or None)
         header = c.get_api_key_with_prefix("BearerToken") or ""
-        scheme, _, token = header.rpartition(" ")
+        scheme, _space, token = header.rpartition(" ")
         return kopf.ConnectionInfo(
             server=c.host,
             ca_path=c.ssl_ca_cert,
@@ -267,132 +267,209 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             private_key_path=c.key_file,
         )
 
-    @kopf.on.cleanup(registry=registry)
-    def close(memo: kopf.Memo, **_: Any) -> None:
-        memo.refreshes.close()
-        memo.kube.close()
-
-    # Indexes and the workload-event sorter are async on purpose: kopf runs sync handlers on its 8 threads,
-    # where they would queue behind reconciles waiting on the API server, and every object's pending
-    # watch events (full bodies) would pile up meanwhile (most of 1.1 GiB at 1,000 CRs).
-    @kopf.index(*CR, id="inferences", when=mine, registry=registry)
-    async def inferences(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict:
-        cr = _plain(body)
-        cr["metadata"].pop("managedFields", None)  # never read; most of a CR's size after a few writes
-        return {(namespace, name): pack(cr)}
-
-    @kopf.index("apps", "v1", "statefulsets", labels=MANAGED, id="owned", when=mine_owned, registry=registry)
-    @kopf.index("apps", "v1", "deployments", labels=MANAGED, id="owned", when=mine_owned, registry=registry)
-    async def owned(body: kopf.Body, **_: Any) -> dict:
-        key = owner_key(body)
-        role = body["metadata"].get("labels", {}).get(names.LABEL_ROLE)
-        return {(*key, role): watched_copy(body)} if key else {}
-
-    for group, version, plural in ALL_RENDERED:
-
-        @kopf.index(group, version, plural, labels=MANAGED, id="copies", when=mine_owned, registry=registry)
-        async def copies(body: kopf.Body, **_: Any) -> dict:
-            key = owner_key(body)
-            packed = pack(_stripped(body))
-            return {(*key, body["kind"], body["metadata"]["name"]): packed} if key else {}
-
-    @kopf.on.resume(*CR, id="reconcile", when=mine, registry=registry)
-    @kopf.on.create(*CR, id="reconcile", when=mine, registry=registry)
-    @kopf.on.update(*CR, id="reconcile", when=mine, registry=registry)
     def reconcile_cr(
-        body: kopf.Body, memo: kopf.Memo, reason: kopf.Reason, owned: kopf.Index, **indexes: Any
+        self,
+        body: kopf.Body,
+        memo: kopf.Memo,
+        reason: kopf.Reason,
+        owned: kopf.Index[Any, Any],
+        **indexes: Any,
     ) -> None:
+        """CR created, updated or resumed: render, apply what differs from the indexed copies, status."""
         trigger = getattr(reason, "value", str(reason))
         stored = stored_by(indexes.get("copies"), body)
-        kw = {"trigger": trigger, "watched": watched_by(owned, body), "stored": stored}
-        outcome = timed(trigger, lambda: steps.reconcile(memo.kube, Inference.of(_plain(body)), cfg, **kw))
+        watched = watched_by(owned, body)
+
+        def run() -> steps.Outcome:
+            cr = Inference.of(_plain(body))
+            return steps.reconcile(memo.kube, cr, self.cfg, trigger=trigger, watched=watched, stored=stored)
+
+        outcome = timed(trigger, run)
         post(body, outcome)
         raise_for(outcome)
 
-    for group, version, plural in WATCHED:
-
-        @kopf.on.event(
-            group, version, plural, labels=MANAGED, when=mine_owned, registry=registry, id=f"owned-{plural}"
+    async def owned_changed(
+        self,
+        event: dict[str, Any],
+        body: kopf.Body,
+        memo: kopf.Memo,
+        inferences: kopf.Index[Any, Any],
+        owned: kopf.Index[Any, Any],
+        **_: Any,
+    ) -> None:
+        """A managed workload, Service or ConfigMap changed: nothing, one coalesced status refresh, or a
+        drift check queued for a thread (the object's watch worker goes on with its next event)."""
+        key = owner_key(body)
+        memo.views.update(inferences=inferences, owned=owned, context=contextvars.copy_context())
+        change = memo.changes.note(body, event.get("type"))
+        if change is Change.NONE:
+            return  # nothing we render or show moved (our own apply, an annotation, the listing)
+        known = key is not None and _first(inferences, key) is not None
+        if change is Change.REFRESH and known:
+            memo.refreshes.request(key)  # folded with the CR's other workload events into one patch
+            return
+        cr = cr_of(inferences, key) if known else None
+        if cr is None or event.get("type") not in ("MODIFIED", "DELETED"):
+            kind, known_text = body.get("kind"), "known" if cr else "not indexed"
+            log.debug("owned event %s %s: owner %s %s", event.get("type"), kind, key, known_text)
+            return
+        if cr["metadata"].get("deletionTimestamp"):
+            return  # the GC is removing everything; re-applying would fight it
+        # The newest waiting check wins.
+        memo.checks.submit(
+            body["metadata"]["uid"], self._drift_check(memo, cr, key, event["type"], body, owned)
         )
-        async def owned_changed(
-            event: dict, body: kopf.Body, memo: kopf.Memo, inferences: kopf.Index, owned: kopf.Index, **_: Any
-        ) -> None:
-            key = owner_key(body)
-            memo.views.update(inferences=inferences, owned=owned, context=contextvars.copy_context())
-            change = memo.changes.note(body, event.get("type"))
-            if change is Change.NONE:
-                return  # nothing we render or show moved (our own apply, an annotation, the listing)
-            known = key is not None and _first(inferences, key) is not None
-            if change is Change.REFRESH and known:
-                memo.refreshes.request(key)  # folded with the CR's other workload events into one patch
-                return
-            cr = cr_of(inferences, key) if known else None
-            if cr is None or event.get("type") not in ("MODIFIED", "DELETED"):
-                log.debug(
-                    "owned event %s %s: owner %s %s",
-                    event.get("type"),
-                    body.get("kind"),
-                    key,
-                    "known" if cr else "not indexed",
+
+    def _drift_check(
+        self, memo: kopf.Memo, cr: dict[str, Any], key: Any, event_type: str, body: kopf.Body, owned: Any
+    ) -> Callable[[], Awaitable[None]]:
+        """The check `owned_changed` queues: re-apply on drift or deletion, on one of kopf's threads."""
+        parsed, obj, watched = Inference.of(cr), _plain(body), watched_by(owned, cr)
+
+        def run() -> steps.Outcome:
+            def change() -> steps.Outcome:
+                return steps.on_owned_change(
+                    memo.kube,
+                    parsed,
+                    self.cfg,
+                    event_type=event_type,
+                    obj=obj,
+                    watched=watched,
+                    refresh=lambda: memo.refreshes.request(key),
                 )
-                return
-            if cr["metadata"].get("deletionTimestamp"):
-                return  # the GC is removing everything; re-applying would fight it
-            kw = {"event_type": event["type"], "obj": _plain(body), "watched": watched_by(owned, cr)}
-            kw["refresh"] = lambda: memo.refreshes.request(key)
-            parsed = Inference.of(cr)
-            run = lambda: timed("owned", lambda: steps.on_owned_change(memo.kube, parsed, cfg, **kw))  # noqa: E731
 
-            async def check() -> None:
-                # Render and apply block on the API server: on kopf's threads, with kopf's context (posting).
-                ctx = contextvars.copy_context()
-                outcome = await asyncio.get_running_loop().run_in_executor(memo.executor, ctx.run, run)
-                post(_ref(cr), outcome)
+            return timed("owned", change)
 
-            # The object's worker goes on with its next event; the newest waiting check wins.
-            memo.checks.submit(body["metadata"]["uid"], check)
+        async def check() -> None:
+            # Render and apply block on the API server: on kopf's threads, with kopf's context (posting).
+            ctx = contextvars.copy_context()
+            outcome = await asyncio.get_running_loop().run_in_executor(memo.executor, ctx.run, run)
+            post(_ref(cr), outcome)
 
-    @kopf.timer(
+        return check
+
+    def transfer_status(
+        self, body: kopf.Body, memo: kopf.Memo, owned: kopf.Index[Any, Any], **_: Any
+    ) -> None:
+        """Metrics timer: the engines' transfer metrics into status.transfer and TransferHealthy."""
+        cr = Inference.of(_plain(body))
+        events = scrape.scrape(memo.kube, cr, self.cfg, memo.fetch, watched_by(owned, body), memo.nodes)
+        post(body, steps.Outcome(events=events))
+
+    def resync(self, body: kopf.Body, memo: kopf.Memo, owned: kopf.Index[Any, Any], **_: Any) -> None:
+        """Slow timer: a full reconcile, for drift the watches missed."""
+        watched = watched_by(owned, body)
+
+        def run() -> steps.Outcome:
+            cr = Inference.of(_plain(body))
+            return steps.reconcile(memo.kube, cr, self.cfg, trigger="resync", watched=watched)
+
+        post(body, timed("resync", run))
+
+    async def stale_finalizers(self, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        """A CR being deleted may carry another shard layout's finalizer, which no replica removes."""
+        cr, current = _plain(body), shard_finalizer(self.index, self.count)
+        if not finalizers.stale(cr, current):  # pure: nothing is read or written for every other event
+            return
+        loop = asyncio.get_running_loop()
+        gone = await loop.run_in_executor(memo.executor, finalizers.release_stale, memo.kube, cr, current)
+        if gone:
+            meta = cr["metadata"]
+            log.info(
+                "removed stale finalizers %s of %s/%s", gone, meta["namespace"], body["metadata"]["name"]
+            )
+
+
+def refresh_status(memo: kopf.Memo, key: Any) -> None:
+    """One coalesced status refresh of the CR `key` (Coalescer's callback, on its own thread)."""
+    # kopf hands indexes to handlers only: the workload handlers leave them in memo.views.
+    inferences, owned = memo.views["inferences"], memo.views["owned"]
+    cr = cr_of(inferences, key)
+    if cr is None or cr["metadata"].get("deletionTimestamp"):
+        return  # deleted meanwhile
+    watched = watched_by(owned, cr)
+    outcome = timed("owned", lambda: steps.refresh_status(memo.kube, Inference.of(cr), watched))
+    # kopf's event posting reads its settings from a context variable its own threads carry:
+    # post from a copy of a handler thread's context (one per run: a context is not shareable).
+    memo.views["context"].copy().run(post, _ref(cr), outcome)
+
+
+def close(memo: kopf.Memo, **_: Any) -> None:
+    """Cleanup: stop the refresh batcher and close the API client."""
+    memo.refreshes.close()
+    memo.kube.close()
+
+
+# Indexes and the workload-event sorter are async on purpose: kopf runs sync handlers on its 8 threads,
+# where they would queue behind reconciles waiting on the API server, and every object's pending
+# watch events (full bodies) would pile up meanwhile (most of 1.1 GiB at 1,000 CRs).
+async def index_inference(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[Any, Any]:
+    """The `inferences` index: each CR, packed, without managedFields."""
+    cr = _plain(body)
+    cr["metadata"].pop("managedFields", None)  # never read; most of a CR's size after a few writes
+    return {(namespace, name): pack(cr)}
+
+
+async def index_workload(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    """The `owned` index: each CR's workloads by role, trimmed to what status reads."""
+    key = owner_key(body)
+    role = body["metadata"].get("labels", {}).get(names.LABEL_ROLE)
+    return {(*key, role): watched_copy(body)} if key else {}
+
+
+async def index_copy(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    """The `copies` index: every managed object, packed, so a reconcile writes only what differs."""
+    key = owner_key(body)
+    packed = pack(_stripped(body))
+    return {(*key, body["kind"], body["metadata"]["name"]): packed} if key else {}
+
+
+def _kopf(fn: Callable[..., Any]) -> Any:
+    """`fn` as kopf's decorators take it. kopf's callback protocols list every keyword kopf passes; a
+    handler here names only what it reads (and the indexes kopf passes by name), which those protocols
+    cannot express."""
+    return fn
+
+
+def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
+    """Attach every handler to `registry`, with intervals taken from `cfg`: the table of contents."""
+    h, s = Handlers(cfg), Shard(*cfg.shard_of)
+    mine, mine_owned = _kopf(s.mine), _kopf(s.mine_owned)
+    kopf.on.startup(registry=registry)(_kopf(h.configure))
+    kopf.on.login(registry=registry)(_kopf(h.login))
+    kopf.on.cleanup(registry=registry)(_kopf(close))
+    kopf.index(*CR, id="inferences", when=mine, registry=registry)(_kopf(index_inference))
+    for plural in ("deployments", "statefulsets"):
+        kopf.index("apps", "v1", plural, labels=MANAGED, id="owned", when=mine_owned, registry=registry)(
+            _kopf(index_workload)
+        )
+    for group, version, plural in ALL_RENDERED:
+        kopf.index(group, version, plural, labels=MANAGED, id="copies", when=mine_owned, registry=registry)(
+            _kopf(index_copy)
+        )
+    for on in (kopf.on.update, kopf.on.create, kopf.on.resume):
+        on(*CR, id="reconcile", when=mine, registry=registry)(_kopf(h.reconcile_cr))
+    for group, version, plural in WATCHED:
+        kopf.on.event(
+            group, version, plural, labels=MANAGED, when=mine_owned, registry=registry, id=f"owned-{plural}"
+        )(_kopf(h.owned_changed))
+    kopf.timer(
         *CR,
         id="transfer-status",
         interval=cfg.metrics_interval,
         initial_delay=1.0,
         when=mine,
         registry=registry,
-    )
-    def transfer_status(body: kopf.Body, memo: kopf.Memo, owned: kopf.Index, **_: Any) -> None:
-        cr = Inference.of(_plain(body))
-        events = scrape.scrape(memo.kube, cr, cfg, memo.fetch, watched_by(owned, body), memo.nodes)
-        post(body, steps.Outcome(events=events))
-
-    @kopf.timer(
+    )(_kopf(h.transfer_status))
+    kopf.timer(
         *CR,
         id="resync",
         interval=cfg.resync_interval,
         initial_delay=cfg.resync_interval,
         when=mine,
         registry=registry,
-    )
-    def resync(body: kopf.Body, memo: kopf.Memo, owned: kopf.Index, **_: Any) -> None:
-        kw = {"trigger": "resync", "watched": watched_by(owned, body)}
-        run = lambda: steps.reconcile(memo.kube, Inference.of(_plain(body)), cfg, **kw)  # noqa: E731
-        post(body, timed("resync", run))
-
-    @kopf.on.event(*CR, id="stale-finalizers", when=mine, registry=registry)
-    async def stale_finalizers(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-        # A CR being deleted may carry another shard layout's finalizer, which no replica removes.
-        cr, current = _plain(body), shard_finalizer(index, count)
-        if finalizers.stale(cr, current):  # pure: nothing is read or written for every other event
-            loop = asyncio.get_running_loop()
-            gone = await loop.run_in_executor(memo.executor, finalizers.release_stale, memo.kube, cr, current)
-            if gone:
-                log.info(
-                    "removed stale finalizers %s of %s/%s",
-                    gone,
-                    cr["metadata"]["namespace"],
-                    body["metadata"]["name"],
-                )
-
+    )(_kopf(h.resync))
+    kopf.on.event(*CR, id="stale-finalizers", when=mine, registry=registry)(_kopf(h.stale_finalizers))
     # spec.autoscaling: a planner evaluation per autoscaled CR each metrics interval (operator/autoscale/)
     autoscale_timer.register(registry, cfg, plain=_plain, watched_by=watched_by, when=mine)
 
