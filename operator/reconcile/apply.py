@@ -1,7 +1,9 @@
 """Apply step: server-side apply of rendered objects under the field manager `kvferry`, plus the few reads.
 
 One small client over the kubernetes package's ApiClient (no discovery round-trips: the kinds the operator
-touches are a fixed table). It counts requests so benchmarks can report API calls per reconcile.
+touches are a fixed table). It counts requests so benchmarks can report API calls per reconcile. It is the
+operator's one client for its own reads and writes (and `kvferry release-finalizers`'); kopf's client
+serves only kopf's machinery (watches, its progress annotations and finalizer, events).
 
 Never over someone else's object: `apply` writes only where the object's own controller owner reference
 (the CR, set by render) controls what holds the name, and the write is conditional on what was observed.
@@ -31,7 +33,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -148,8 +150,8 @@ class Kube:
     """The operator's API client: SSA apply, get, list, status patch; with request counters."""
 
     api: client.ApiClient
-    requests: Counter = field(default_factory=Counter)  # "VERB kind" -> count
-    forbidden: Counter = field(default_factory=Counter)  # 403s by "VERB kind": RBAC gaps show up here
+    requests: Counter[str] = field(default_factory=Counter)  # "VERB kind" -> count
+    forbidden: Counter[str] = field(default_factory=Counter)  # 403s by "VERB kind": RBAC gaps show up here
     on_request: Callable[[str, str, int], None] | None = None  # (verb, kind, HTTP status) hook for metrics
     # (namespace, name) -> the CR as the operator's last status write stored it, packed (status/publish.py)
     written: dict[tuple[str, str], bytes] = field(default_factory=dict)
@@ -162,7 +164,7 @@ class Kube:
         return cls(client.ApiClient(load_configuration(path)))
 
     def close(self) -> None:
-        self.api.close()
+        self.api.close()  # type: ignore[no-untyped-call]  # the kubernetes package leaves it unannotated
 
     def total_requests(self) -> int:
         with self._lock:
@@ -200,13 +202,14 @@ class Kube:
         )
         try:
             resp = self.api.call_api(*req, _request_timeout=REQUEST_TIMEOUT_S)
-            resp.read()
+            resp.read()  # type: ignore[no-untyped-call]  # unannotated in the kubernetes package
         except Exception as exc:  # urllib3 transport errors: report, kopf retries
             raise KubeError(0, f"{method} {url}: {exc}") from exc
+        raw = resp.data or b""
         try:
-            data = json.loads(resp.data) if resp.data else {}
+            data = json.loads(raw) if raw else {}
         except ValueError:  # not JSON: the API server's plain "404 page not found" of an unserved path
-            data = {"message": resp.data[:200].decode("utf-8", errors="replace").strip()}
+            data = {"message": raw[:200].decode("utf-8", errors="replace").strip()}
         if self.on_request is not None:
             self.on_request(method, kind, resp.status)
         if resp.status == 403:
@@ -313,7 +316,8 @@ class Kube:
     def list(self, kind: str, namespace: str | None, selector: dict[str, str]) -> list[dict[str, Any]]:
         query = {"labelSelector": ",".join(f"{k}={v}" for k, v in selector.items())}
         status, data = self._call("GET", kind, self.path(kind, namespace), query=query)
-        return self._ok(status, data, f"list {kind} in {namespace}").get("items", [])
+        items: list[dict[str, Any]] = self._ok(status, data, f"list {kind} in {namespace}").get("items", [])
+        return items
 
     def write_owned(
         self,
@@ -362,9 +366,9 @@ class Kube:
         patch = {"spec": {"replicas": replicas}}
         return self.write_owned("StatefulSet", based_on, owner_uid, patch, sub="scale", what="scale")
 
-    def set_finalizers(self, cr: dict[str, Any], finalizers: list[str]) -> dict[str, Any]:
+    def set_finalizers(self, cr: dict[str, Any], finalizers: Sequence[str]) -> dict[str, Any]:
         """Replace a CR's finalizers (the CR is its own owner here), over the CR as read."""
-        patch = {"metadata": {"finalizers": finalizers or None}}
+        patch = {"metadata": {"finalizers": [*finalizers] or None}}
         uid = cr["metadata"].get("uid", "")
         return self.write_owned("DisaggregatedInference", cr, uid, patch, what="set finalizers of")
 
@@ -403,14 +407,19 @@ def load_configuration(path: str | None = None) -> client.Configuration:
     """
     cfg = client.Configuration()
     if path:
-        config.load_kube_config(config_file=path, client_configuration=cfg)
+        _load_kube_config(config_file=path, client_configuration=cfg)
         return cfg
     try:
-        config.load_incluster_config(client_configuration=cfg)
+        _load_incluster_config(client_configuration=cfg)
     except config.ConfigException:
         env = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or None
-        config.load_kube_config(config_file=env, client_configuration=cfg)
+        _load_kube_config(config_file=env, client_configuration=cfg)
     return cfg
+
+
+# The kubernetes package's config loaders carry no annotations: their types, written once.
+_load_kube_config: Callable[..., None] = config.load_kube_config
+_load_incluster_config: Callable[..., None] = config.load_incluster_config
 
 
 def now_iso() -> str:

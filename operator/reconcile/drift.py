@@ -31,7 +31,7 @@ def _prunes_away(value: Any) -> bool:
     """An empty map or list, or a map of only such values: the API server stores nothing for it."""
     if isinstance(value, dict):
         return all(_prunes_away(v) for v in value.values())
-    return value == []
+    return isinstance(value, list) and not value
 
 
 def is_subset(desired: Any, actual: Any, key: str = "", parent: str = "") -> bool:

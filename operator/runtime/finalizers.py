@@ -9,18 +9,18 @@ Deployment is ready in the cluster. See docs/operator.md and docs/troubleshootin
 
 The running operator uses `stale`/`release_stale` on the CRs it serves: the finalizers a shard layout
 other than its own left behind (`operator.shards` changed), removed once the CR is being deleted.
+Both read and write through the operator's one client (`Kube`): a finalizer write goes through its
+ownership gate, conditional on the CR as read.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvferry.operator.spec import GROUP, PLURAL, VERSION, names
-
-if TYPE_CHECKING:
-    from kvferry.operator.reconcile.apply import Kube
+from kvferry.operator.reconcile.apply import Kube, KubeError
+from kvferry.operator.spec import names
 
 FINALIZERS = (f"{names.GROUP}/finalizer", "kopf.zalando.org/KopfFinalizerMarker")
 SHARD_FINALIZER_PREFIX = f"{names.GROUP}/finalizer-shard-"  # sharded replicas' (handlers.shard_finalizer)
@@ -50,8 +50,6 @@ def release_stale(kube: Kube, cr: dict[str, Any], current: str) -> list[str]:
     """Remove `stale(cr, current)` from the CR (through Kube.set_finalizers: the ownership gate,
     conditional on the CR as read); returns what was removed. A 409 (kopf removed its own meanwhile)
     or a 404 (deleted) is left to the next watch event, which reads the CR anew."""
-    from kvferry.operator.reconcile.apply import KubeError
-
     drop = stale(cr, current)
     if not drop:
         return []
@@ -66,53 +64,38 @@ def release_stale(kube: Kube, cr: dict[str, Any], current: str) -> list[str]:
 
 
 # The chart's and manifests/install.yaml's operator Deployment carries both labels.
-OPERATOR_SELECTOR = f"{names.LABEL_COMPONENT}=operator,app.kubernetes.io/part-of=kvferry"
-REQUEST_TIMEOUT_S = 30.0
+OPERATOR_LABELS = {names.LABEL_COMPONENT: "operator", "app.kubernetes.io/part-of": "kvferry"}
+OPERATOR_SELECTOR = ",".join(f"{k}={v}" for k, v in OPERATOR_LABELS.items())
+RELEASE_ATTEMPTS = 5  # reads + conditional writes of one CR's finalizers before giving up
 
 
 class OperatorRunning(RuntimeError):
     """An operator Deployment is still ready: it will remove the finalizers itself."""
 
 
-def running_operators(api: Any) -> list[str]:
+def running_operators(kube: Kube) -> list[str]:
     """`namespace/name` of every operator Deployment with at least one ready replica."""
-    from kubernetes import client
-
-    deps = client.AppsV1Api(api).list_deployment_for_all_namespaces(
-        label_selector=OPERATOR_SELECTOR, _request_timeout=REQUEST_TIMEOUT_S
-    )
     return [
-        f"{d.metadata.namespace}/{d.metadata.name}"
-        for d in deps.items
-        if d.status and (d.status.ready_replicas or 0) > 0
+        f"{d['metadata']['namespace']}/{d['metadata']['name']}"
+        for d in kube.list("Deployment", None, OPERATOR_LABELS)
+        if int((d.get("status") or {}).get("readyReplicas") or 0) > 0
     ]
 
 
-def release(api: Any, namespace: str | None = None, *, force: bool = False) -> list[str]:
+def release(kube: Kube, namespace: str | None = None, *, force: bool = False) -> list[str]:
     """Remove the operator's finalizers from DisaggregatedInferences in `namespace` (None: all).
 
     Only CRs with a deletionTimestamp unless `force`; raises OperatorRunning if an operator Deployment
     is ready, unless `force`. Returns `namespace/name` of each CR released.
     """
-    from kubernetes import client
-    from kubernetes.client.rest import ApiException
-
     if not force:
-        running = running_operators(api)
+        running = running_operators(kube)
         if running:
             raise OperatorRunning(", ".join(running))
-    custom = client.CustomObjectsApi(api)
     try:
-        if namespace is None:
-            items = custom.list_cluster_custom_object(
-                GROUP, VERSION, PLURAL, _request_timeout=REQUEST_TIMEOUT_S
-            )["items"]
-        else:
-            items = custom.list_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, _request_timeout=REQUEST_TIMEOUT_S
-            )["items"]
-    except ApiException as e:
-        if e.status == 404:  # the CRD is not installed: nothing to release
+        items = kube.list("DisaggregatedInference", namespace, {})
+    except KubeError as exc:
+        if exc.status == 404:  # the CRD is not installed: nothing to release
             return []
         raise
     released = []
@@ -120,43 +103,34 @@ def release(api: Any, namespace: str | None = None, *, force: bool = False) -> l
         meta = item["metadata"]
         if not force and not meta.get("deletionTimestamp"):
             continue
-        if _release_one(custom, item):
+        if _release_one(kube, item):
             released.append(f"{meta['namespace']}/{meta['name']}")
     return released
 
 
-def _release_one(custom: Any, item: dict[str, Any], attempts: int = 5) -> bool:
-    """Remove our finalizers from one CR; True if any were removed. Re-reads on a conflict."""
-    from kubernetes.client.rest import ApiException
-
-    meta = item["metadata"]
+def _release_one(kube: Kube, cr: dict[str, Any]) -> bool:
+    """Remove our finalizers from one CR; True if any were removed. Through Kube.set_finalizers (the
+    ownership gate, conditional on the CR as read): a concurrent change fails with 409 and the CR is
+    read again."""
+    meta = cr["metadata"]
     ns, name = meta["namespace"], meta["name"]
-    for _ in range(attempts):
-        present = meta.get("finalizers") or []
+    for _ in range(RELEASE_ATTEMPTS):
+        present = cr["metadata"].get("finalizers") or []
         if not any(ours(f) for f in present):
             return False
-        keep = [f for f in present if not ours(f)]
-        # resourceVersion makes the merge patch conditional: a concurrent change fails with 409.
-        patch = {"metadata": {"finalizers": keep or None, "resourceVersion": meta["resourceVersion"]}}
         try:
-            custom.patch_namespaced_custom_object(
-                GROUP, VERSION, ns, PLURAL, name, patch, _request_timeout=REQUEST_TIMEOUT_S
-            )
+            kube.set_finalizers(cr, [f for f in present if not ours(f)])
             return True
-        except ApiException as e:
-            if e.status == 404:  # deleted meanwhile
+        except KubeError as exc:
+            if exc.status == 404:  # deleted meanwhile
                 return False
-            if e.status != 409:
+            if exc.status != 409:
                 raise
-        try:
-            meta = custom.get_namespaced_custom_object(
-                GROUP, VERSION, ns, PLURAL, name, _request_timeout=REQUEST_TIMEOUT_S
-            )["metadata"]
-        except ApiException as e:
-            if e.status == 404:
-                return False
-            raise
-    raise RuntimeError(f"{ns}/{name}: finalizers changed under us {attempts} times")
+        fresh = kube.get("DisaggregatedInference", ns, name)
+        if fresh is None:
+            return False
+        cr = fresh
+    raise RuntimeError(f"{ns}/{name}: finalizers changed under us {RELEASE_ATTEMPTS} times")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,34 +138,35 @@ def main(argv: list[str] | None = None) -> int:
     scope = parser.add_mutually_exclusive_group(required=True)
     scope.add_argument("-n", "--namespace", help="only CRs in this namespace")
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="CRs in every namespace")
-    parser.add_argument("--kubeconfig", help="kubeconfig file (default: KUBECONFIG, ~/.kube/config)")
+    parser.add_argument(
+        "--kubeconfig",
+        help="kubeconfig file (default: in a pod its service account, else KUBECONFIG, ~/.kube/config)",
+    )
     parser.add_argument(
         "--force",
         action="store_true",
         help="also CRs not being deleted, and even while an operator Deployment is ready",
     )
     args = parser.parse_args(argv)
-    from kubernetes import config
-    from kubernetes.client.rest import ApiException
-
     try:
-        api = config.new_client_from_config(config_file=args.kubeconfig)
+        kube = Kube.from_kubeconfig(args.kubeconfig)
     except Exception as exc:  # noqa: BLE001 - config errors come as several types
         print(f"kvferry release-finalizers: cannot load kubeconfig: {exc}", file=sys.stderr)
         return 2
-    with api:
-        try:
-            released = release(api, None if args.all_namespaces else args.namespace, force=args.force)
-        except OperatorRunning as exc:
-            print(
-                f"kvferry release-finalizers: the operator is running ({exc}); it removes its finalizer "
-                "itself. Uninstall or scale it to 0 first, or pass --force.",
-                file=sys.stderr,
-            )
-            return 2
-        except ApiException as exc:
-            print(f"kvferry release-finalizers: API error {exc.status}: {exc.reason}", file=sys.stderr)
-            return 1
+    try:
+        released = release(kube, None if args.all_namespaces else args.namespace, force=args.force)
+    except OperatorRunning as exc:
+        print(
+            f"kvferry release-finalizers: the operator is running ({exc}); it removes its finalizer "
+            "itself. Uninstall or scale it to 0 first, or pass --force.",
+            file=sys.stderr,
+        )
+        return 2
+    except KubeError as exc:
+        print(f"kvferry release-finalizers: API error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        kube.close()
     for name in released:
         print(f"released {name}")
     if not released:

@@ -127,6 +127,7 @@ def _release_finalizers(api, namespace: str) -> None:
     `kvferry release-finalizers`). The test's operator has stopped by now; without this the namespace
     would stay Terminating and the next cluster-wide operator would find another test's leftovers.
     `force`: the CRs may not carry a deletionTimestamp yet, and a test may have installed the chart."""
+    from kvferry.operator.reconcile.apply import Kube
     from kvferry.operator.runtime.finalizers import release
 
-    release(api, namespace, force=True)
+    release(Kube(api), namespace, force=True)

@@ -100,13 +100,13 @@ def test_a_cr_never_scales_or_labels_what_another_team_named_like_its_objects(cl
     # The gate itself, handed their StatefulSet: refused, nothing written; our own: scaled.
     theirs, ours = cluster.get("statefulset", "db-prefill"), cluster.get("statefulset", "db-decode")
     with pytest.raises(NotControlled, match="db-prefill"):
-        writer.scale(operator_kube, theirs, cr["metadata"]["uid"], 3)
+        writer.scale(operator_kube, theirs, cr.meta.uid, 3)
     assert cluster.get("statefulset", "db-prefill")["spec"]["replicas"] == 1
-    writer.scale(operator_kube, ours, cr["metadata"]["uid"], 2)
+    writer.scale(operator_kube, ours, cr.meta.uid, 2)
     assert cluster.get("statefulset", "db-decode")["spec"]["replicas"] == 2
     # Over a read that is no longer current: 409, nothing written.
     with pytest.raises(KubeError, match="409"):
-        writer.scale(operator_kube, ours, cr["metadata"]["uid"], 3)
+        writer.scale(operator_kube, ours, cr.meta.uid, 3)
     assert cluster.get("statefulset", "db-decode")["spec"]["replicas"] == 2
 
 
