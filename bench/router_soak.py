@@ -306,7 +306,7 @@ async def soak(frames: int, requests: int, concurrency: int, seed: int) -> Figur
         await site.start()
         url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         state = app[STATE]
-        index, real_stored, real_removed = state["index"], state["index"].stored, state["index"].removed
+        index, real_stored, real_removed = state.index, state.index.stored, state.index.removed
 
         def stored(engine: str, keys: Any) -> None:
             real_stored(engine, keys)
@@ -362,7 +362,7 @@ async def soak(frames: int, requests: int, concurrency: int, seed: int) -> Figur
             kvevents.decode, kvevents.EngineBlocks.slices = originals  # type: ignore[method-assign]
             stop.set()
             await tick
-            metrics = state["metrics"].render().decode()
+            metrics = state.metrics.render().decode()
             publisher.close()
             await runner.cleanup()
             await prefill.runner.cleanup()
@@ -397,7 +397,7 @@ async def _feed_follows(publisher: Publisher, index: Any, url: str, state: dict[
     keys = prompt_keys(tokens, BLOCK, 4.0).keys
     for _ in range(400):
         if index.match(url, keys) == 2:
-            return bool(state["feed"]._tasks)
+            return bool(state.serving.feed._tasks)
         await publisher.send(_batch([_stored([b"end0", b"end1"], None, tokens)]))
         await asyncio.sleep(0.05)
     return False
@@ -408,12 +408,12 @@ async def _settle(state: dict[str, Any], prefill: StandIn, decode: StandIn) -> i
     prefills, legs the engines still have open."""
     held = 0
     for _ in range(200):
-        slots = sum(s.value for m in state["metrics"].in_flight.collect() for s in m.samples)
-        held = int(slots) + len(state["dispatcher"].detached) + len(prefill.open) + len(decode.open)
+        slots = sum(s.value for m in state.metrics.in_flight.collect() for s in m.samples)
+        held = int(slots) + len(state.serving.dispatcher.detached) + len(prefill.open) + len(decode.open)
         if held == 0:
             return 0
         await asyncio.sleep(0.05)
-    detached = len(state["dispatcher"].detached)
+    detached = len(state.serving.dispatcher.detached)
     print(f"held: in-flight slots {slots:g}, detached prefills {detached}, legs open at prefill "
           f"{len(prefill.open)} and decode {len(decode.open)}", file=sys.stderr)  # fmt: skip
     return held

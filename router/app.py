@@ -21,17 +21,14 @@ from kvferry.contracts.promtext import metric_sum, parse_metrics
 from kvferry.router import bounded, early, poolstatus
 from kvferry.router import params as legs
 from kvferry.router.aggregate import Aggregator, AnswerTooLarge
-from kvferry.router.backlog import PrefillBacklog
 from kvferry.router.config import RouterConfig
-from kvferry.router.discovery import make_discovery
 from kvferry.router.dispatch import Dispatcher, OpenLeg, new_request_id
 from kvferry.router.errors import RETRY_AFTER_S, ApiError, LegError, error_body
 from kvferry.router.framing import EventFramer
 from kvferry.router.kvfeed import KvEventFeed
-from kvferry.router.metrics import RouterMetrics
-from kvferry.router.prefix import PrefixIndex
-from kvferry.router.routing import Plan, Planner
-from kvferry.router.selection import LoadTracker, NoBackendError, OverloadedError, Selector
+from kvferry.router.routing import Plan
+from kvferry.router.selection import NoBackendError, OverloadedError
+from kvferry.router.state import RouterState, Serving, build_state
 
 log = logging.getLogger(__name__)
 SCRAPE_INTERVAL_S = 2.0
@@ -48,8 +45,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # aggregated request decodes to max_tokens for nobody.
 SERVE_OPTIONS: dict[str, Any] = {"handler_cancellation": True, "shutdown_timeout": 15.0}
 
-CONFIG = web.AppKey("config", RouterConfig)
-STATE = web.AppKey("state", dict)
+STATE = web.AppKey("state", RouterState)
 
 
 def _json_error(status: int, message: str, code: str | None = None, param: str | None = None) -> web.Response:
@@ -72,7 +68,7 @@ def _auth_middleware(api_key: str | None) -> Any:
                     )
             return await handler(request)
         except ApiError as exc:
-            state["metrics"].errors_by_status.labels(str(exc.status)).inc()
+            state.metrics.errors_by_status.labels(str(exc.status)).inc()
             return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
         except web.HTTPException as exc:
             if exc.status < 400:
@@ -104,13 +100,13 @@ class _Early:
         first = early.first_token(answer, self.chat, self.want_ids)
         if first is None:
             return  # not mirrorable: the client's stream starts with decode's token, as without this
-        state, cfg = self.request.app[STATE], self.request.app[CONFIG]
+        state = self.request.app[STATE]
         resp = web.StreamResponse(status=200, headers={"X-Request-Id": self.rid, **_SSE})
         await resp.prepare(self.request)
         await resp.write(first.event)
         self.response, self.first = resp, first
-        state["metrics"].ttft.labels(cfg.mode).observe(time.monotonic() - self.started)
-        state["metrics"].first_token_from_prefill.inc()
+        state.metrics.ttft.labels(state.config.mode).observe(time.monotonic() - self.started)
+        state.metrics.first_token_from_prefill.inc()
 
     def echo(self) -> early.DecodeEcho:
         return early.DecodeEcho(self.first, self.chat, self.want_ids)
@@ -120,8 +116,8 @@ _SSE = {"Content-Type": "text/event-stream"}
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
-    state, cfg = request.app[STATE], request.app[CONFIG]
-    metrics: RouterMetrics = state["metrics"]
+    state = request.app[STATE]
+    cfg, metrics, dispatcher = state.config, state.metrics, state.serving.dispatcher
     req = legs.validate(request.path, await _read_json(request), cfg.model)
     started = time.monotonic()
     rid = new_request_id()
@@ -137,17 +133,17 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             first = _Early(request, rid, bool(req.body.get("return_token_ids")), started)
             req = replace(req, body={**req.body, "return_token_ids": True})  # both legs: the check needs ids
         hook = first.on_prefill if first else None
-        leg = await state["dispatcher"].run(
+        leg = await dispatcher.run(
             req, prefill, decode, rid, decode_only=plan.decode_only, prefill_tokens=plan.prefill_tokens,
             on_prefill=hook,
         )  # fmt: skip
         try:
-            response, outcome = await _relay(request, leg, rid, state, started, cfg, first)
+            response, outcome = await _relay(request, leg, rid, state, started, first)
         except LegError as exc:  # an aggregated answer broke before anything reached the client
             other = prefill if leg.engine is decode else decode
             remaining = started + cfg.deadlines.total_s - time.monotonic()
-            leg = await state["dispatcher"].recompute(req, other, rid, exc, remaining)
-            response, outcome = await _relay(request, leg, rid, state, started, cfg, first)
+            leg = await dispatcher.recompute(req, other, rid, exc, remaining)
+            response, outcome = await _relay(request, leg, rid, state, started, first)
         return response
     except asyncio.CancelledError:
         outcome = "client_disconnect"  # the client left (SERVE_OPTIONS): the legs are closed on the way out
@@ -170,35 +166,34 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         metrics.duration.labels(request.path, cfg.mode).observe(time.monotonic() - started)
 
 
-def _plan(state: dict[str, Any], req: legs.ClientRequest) -> Plan:
+def _plan(state: RouterState, req: legs.ClientRequest) -> Plan:
     try:
-        planner: Planner = state["planner"]
-        return planner.plan(state["discovery"].current(), req)
+        return state.planner.plan(state.discovery.current(), req)
     except NoBackendError as exc:
         raise ApiError(503, str(exc), "no_backend") from None
     except OverloadedError as exc:
-        state["metrics"].shed.labels(exc.role, exc.limit).inc()
+        state.metrics.shed.labels(exc.role, exc.limit).inc()
         raise ApiError(429, str(exc), "overloaded", headers={"Retry-After": RETRY_AFTER_S}) from None
 
 
 async def _relay(
-    request: web.Request, leg: OpenLeg, rid: str, state: dict[str, Any], started: float, cfg: RouterConfig,
+    request: web.Request, leg: OpenLeg, rid: str, state: RouterState, started: float,
     first: _Early | None = None,
 ) -> tuple[web.StreamResponse, str]:  # fmt: skip
     """Send decode's answer to the client (after prefill's token, when `first` started the stream);
     returns the response and the outcome label."""
-    dispatcher: Dispatcher = state["dispatcher"]
+    cfg, metrics, dispatcher = state.config, state.metrics, state.serving.dispatcher
     headers = {"X-Request-Id": rid}
     if leg.recomputed:
         headers["X-Kvferry-Recomputed"] = leg.recomputed
     outcome = "recomputed" if leg.recomputed else "ok"
     try:
         if leg.aggregate:
-            state["metrics"].ttft.labels(cfg.mode).observe(time.monotonic() - started)
+            metrics.ttft.labels(cfg.mode).observe(time.monotonic() - started)
             answer = await _aggregate(leg, request.path == legs.CHAT, started + cfg.deadlines.total_s)
             return web.json_response(answer, headers=headers), outcome
         if not leg.stream:
-            state["metrics"].ttft.labels(cfg.mode).observe(time.monotonic() - started)
+            metrics.ttft.labels(cfg.mode).observe(time.monotonic() - started)
             body = web.Response(body=leg.first, status=200, content_type="application/json", headers=headers)
             return body, outcome
         started_early = first.response if first else None  # prefill's token already sent on it
@@ -210,14 +205,14 @@ async def _relay(
                 await resp.prepare(request)
             await resp.write(echo.feed(leg.first))
             if started_early is None:
-                state["metrics"].ttft.labels(cfg.mode).observe(time.monotonic() - started)
+                metrics.ttft.labels(cfg.mode).observe(time.monotonic() - started)
             remaining = started + cfg.deadlines.total_s - time.monotonic()
             await asyncio.wait_for(_pipe(leg, resp, echo), max(remaining, 0.1))
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             return resp, "client_disconnect"  # closing D's response below makes vLLM abort the request
         except early.Mismatch as exc:
-            state["metrics"].leg_errors.labels("decode", "first_token_mismatch").inc()
+            metrics.leg_errors.labels("decode", "first_token_mismatch").inc()
             log.error("request %s: %s", rid, exc)
             await _error_event(resp, error_body(502, str(exc), "first_token_mismatch"))
             return resp, "error"
@@ -276,15 +271,16 @@ async def _error_event(resp: web.StreamResponse, body: dict[str, Any]) -> None:
 
 
 async def _models(request: web.Request) -> web.Response:
-    state, cfg = request.app[STATE], request.app[CONFIG]
+    state = request.app[STATE]
+    cfg = state.config
     if cfg.model:
         card = {"id": cfg.model, "object": "model", "created": 0, "owned_by": "kvferry"}
         return web.json_response({"object": "list", "data": [card]})
-    pool = state["discovery"].current()
+    pool = state.discovery.current()
     if not pool.decode:
         raise ApiError(503, "no decode engine is available to list models", "no_backend")
     try:
-        async with state["session"].get(
+        async with state.serving.session.get(
             pool.decode[0].url + "/v1/models", timeout=aiohttp.ClientTimeout(10)
         ) as r:
             what = f"decode {pool.decode[0].engine_id}'s model list"
@@ -297,7 +293,7 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    pool = request.app[STATE]["discovery"].current()
+    pool = request.app[STATE].discovery.current()
     body = {"prefill": len(pool.prefill), "decode": len(pool.decode), "revisions": sorted(pool.revisions())}
     ok = bool(pool.revisions())
     return web.json_response({"status": "ok" if ok else "no_engine_pair", **body}, status=200 if ok else 503)
@@ -311,23 +307,30 @@ async def _livez(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    pool = state["discovery"].current()
-    state["metrics"].engines.labels("prefill").set(len(pool.prefill))
-    state["metrics"].engines.labels("decode").set(len(pool.decode))
-    return web.Response(body=state["metrics"].render(), content_type="text/plain")
+    pool = state.discovery.current()
+    state.metrics.engines.labels("prefill").set(len(pool.prefill))
+    state.metrics.engines.labels("decode").set(len(pool.decode))
+    return web.Response(body=state.metrics.render(), content_type="text/plain")
 
 
-async def _scrape_loop(state: dict[str, Any]) -> None:
+async def _pool_metrics(request: web.Request) -> web.Response:
+    """The current pool's transfer metrics as JSON (poolstatus.py)."""
+    state = request.app[STATE]
+    pool = state.discovery.current()
+    answer = await state.pool_metrics.get(state.serving.session, (pool.prefill, pool.decode))
+    return web.json_response(answer)
+
+
+async def _scrape_loop(state: RouterState, session: aiohttp.ClientSession, feed: KvEventFeed | None) -> None:
     """Keep decode load fresh for least-loaded selection (queue length, KV-cache usage); drop the load
     entries of engines that left the pool."""
-    session: aiohttp.ClientSession = state["session"]
     while True:
-        pool = state["discovery"].current()
-        state["tracker"].prune(pool)
-        state["planner"].forget(pool)
-        state["metrics"].forget_engines({(e.role, e.engine_id) for e in (*pool.prefill, *pool.decode)})
-        if state["feed"] is not None:
-            state["feed"].sync((*pool.prefill, *pool.decode))
+        pool = state.discovery.current()
+        state.tracker.prune(pool)
+        state.planner.forget(pool)
+        state.metrics.forget_engines({(e.role, e.engine_id) for e in (*pool.prefill, *pool.decode)})
+        if feed is not None:
+            feed.sync((*pool.prefill, *pool.decode))
         for ep in pool.decode:
             try:
                 async with session.get(ep.url + "/metrics", timeout=aiohttp.ClientTimeout(2)) as r:
@@ -335,7 +338,7 @@ async def _scrape_loop(state: dict[str, Any]) -> None:
                         r, poolstatus.MAX_ENGINE_BYTES, f"{ep.engine_id} /metrics"
                     )
                     m = parse_metrics(text.decode("utf-8", errors="replace"))
-                state["tracker"].observe(
+                state.tracker.observe(
                     ep, metric_sum(m, "vllm:num_requests_waiting"), metric_sum(m, "vllm:kv_cache_usage_perc")
                 )
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
@@ -345,60 +348,46 @@ async def _scrape_loop(state: dict[str, Any]) -> None:
 
 async def _on_startup(app: web.Application) -> None:
     state = app[STATE]
+    cfg = state.config
     # vLLM's server (uvicorn) drops idle keep-alive connections after 5 s; reusing one it just closed
     # fails a leg as "unreachable". Expire ours first.
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
-    state["session"] = aiohttp.ClientSession(connector=connector)
-    state["dispatcher"] = Dispatcher(
-        app[CONFIG], state["session"], state["tracker"], state["metrics"], state["backlog"]
-    )
-    await state["discovery"].start()
-    index, routing = state["index"], app[CONFIG].routing
+    session = aiohttp.ClientSession(connector=connector)
+    dispatcher = Dispatcher(cfg, session, state.tracker, state.metrics, state.backlog)
+    await state.discovery.start()
     # With prefix-aware routing, engines that publish vLLM's KV-cache events correct the index.
-    state["feed"] = None if index is None else KvEventFeed(index, routing.block_tokens, state["metrics"])
-    state["scraper"] = asyncio.create_task(_scrape_loop(state))
+    index = state.index
+    feed = None if index is None else KvEventFeed(index, cfg.routing.block_tokens, state.metrics)
+    scraper = asyncio.create_task(_scrape_loop(state, session, feed))
+    state.start(Serving(session, dispatcher, feed, scraper))
 
 
 async def _on_cleanup(app: web.Application) -> None:
     state = app[STATE]
-    state["scraper"].cancel()
-    detached = list(state["dispatcher"].detached)
+    serving = state.serving
+    serving.scraper.cancel()
+    detached = list(serving.dispatcher.detached)
     if detached:
         # Prefill legs still running for gone clients: give them a bounded chance to finish.
         await asyncio.wait(detached, timeout=10)
-    await asyncio.gather(state["scraper"], return_exceptions=True)
-    if state["feed"] is not None:
-        await state["feed"].stop()
-    await state["discovery"].stop()
-    await state["session"].close()
+    await asyncio.gather(serving.scraper, return_exceptions=True)
+    if serving.feed is not None:
+        await serving.feed.stop()
+    await state.discovery.stop()
+    await serving.session.close()
 
 
 def build_app(cfg: RouterConfig, api_key: str | None = None) -> web.Application:
     """The router app; api_key None turns authentication off."""
     app = web.Application(middlewares=[_auth_middleware(api_key)], client_max_size=MAX_BODY_BYTES)
-    app[CONFIG] = cfg
-    tracker, metrics, routing = LoadTracker(), RouterMetrics(), cfg.routing
-    index = PrefixIndex(routing.index_blocks_per_engine) if routing.prefix_aware else None
-    selector = Selector(cfg.policy, tracker, cfg.limits.max_in_flight_per_engine, index, routing.load_bound)
-    backlog = PrefillBacklog()
-    max_wait = cfg.limits.max_prefill_wait_s or cfg.deadlines.prefill_s
-    app[STATE] = {
-        "metrics": metrics,
-        "tracker": tracker,
-        "selector": selector,
-        "backlog": backlog,
-        "planner": Planner(routing, selector, index, metrics, backlog, max_wait),
-        "discovery": make_discovery(cfg.static, cfg.kubernetes),
-        "index": index,
-        "pool_metrics": poolstatus.PoolMetrics(),
-    }
+    app[STATE] = build_state(cfg)
     app.router.add_post(legs.COMPLETIONS, _generate)
     app.router.add_post(legs.CHAT, _generate)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/livez", _livez)
     app.router.add_get("/metrics", _metrics)
-    app.router.add_get(POOL_METRICS_PATH, poolstatus.handler(lambda request: request.app[STATE]))
+    app.router.add_get(POOL_METRICS_PATH, _pool_metrics)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     return app

@@ -9,7 +9,7 @@ errors of the values it annotates (extra["type_error"] those of a wrong type, wh
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
@@ -146,16 +146,25 @@ class AuthConfig(_Section, frozen=True, kw_only=True):
     api_key_file: Text | None = None
 
 
-@dataclass(frozen=True)
-class KubernetesDiscoveryConfig:
-    namespace: str
-    prefill_service: str
-    decode_service: str
-    revision_label: str = "kvferry.io/revision"
-    tp_size: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
-    poll_s: float = 5.0
-    kv_events_port: int | None = None  # each engine pod's KV-event publisher port, if it publishes
-    kv_events_replay_port: int | None = None
+class TpSize(_Section, frozen=True, kw_only=True):
+    prefill: PositiveInt = 1
+    decode: PositiveInt = 1
+
+    def of(self, role: str) -> int:
+        return self.prefill if role == "prefill" else self.decode
+
+
+class KubernetesDiscoveryConfig(_Section, frozen=True, kw_only=True):
+    """discovery.kubernetes as written, and as the router uses it (discovery.py)."""
+
+    namespace: Text
+    prefill_service: Text
+    decode_service: Text
+    revision_label: Text = "kvferry.io/revision"
+    tp_size: TpSize = TpSize()
+    poll_s: Positive = 5.0
+    kv_events_port: Port | None = None  # each engine pod's KV-event publisher port, if it publishes
+    kv_events_replay_port: Port | None = None
 
 
 @dataclass(frozen=True)
@@ -203,25 +212,9 @@ class _Static(_Section, frozen=True, kw_only=True):
     decode: Engines
 
 
-class _TpSize(_Section, frozen=True, kw_only=True):
-    prefill: PositiveInt = 1
-    decode: PositiveInt = 1
-
-
-class _Kubernetes(_Section, frozen=True, kw_only=True):
-    namespace: Text
-    prefill_service: Text
-    decode_service: Text
-    revision_label: Text = "kvferry.io/revision"
-    tp_size: _TpSize = _TpSize()
-    poll_s: Positive = 5.0
-    kv_events_port: Port | None = None
-    kv_events_replay_port: Port | None = None
-
-
 class _Discovery(_Section, frozen=True, kw_only=True):
     static: _Static | None = None
-    kubernetes: _Kubernetes | None = None
+    kubernetes: KubernetesDiscoveryConfig | None = None
 
 
 class _File(_Section, frozen=True, kw_only=True):
@@ -272,7 +265,6 @@ def parse_config(raw: Any) -> RouterConfig:
     prefix_aware = doc.routing.prefix_aware
     if prefix_aware is None:
         prefix_aware = doc.policy == "least-loaded"
-    k = found.kubernetes
     return RouterConfig(
         mode=doc.mode,
         host=doc.listen.host,
@@ -282,18 +274,7 @@ def parse_config(raw: Any) -> RouterConfig:
         deadlines=doc.deadlines,
         limits=doc.limits,
         static=None if found.static is None else _static(found.static, "discovery.static"),
-        kubernetes=None
-        if k is None
-        else KubernetesDiscoveryConfig(
-            k.namespace,
-            k.prefill_service,
-            k.decode_service,
-            k.revision_label,
-            msgspec.structs.asdict(k.tp_size),
-            k.poll_s,
-            k.kv_events_port,
-            k.kv_events_replay_port,
-        ),
+        kubernetes=found.kubernetes,
         auth=doc.auth or AuthConfig(),
         routing=msgspec.structs.replace(doc.routing, prefix_aware=prefix_aware),
         push=push,

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvferry.contracts.pods import PORT_HTTP, PORT_SIDE_CHANNEL
 from kvferry.router import topology
@@ -35,6 +36,16 @@ class Pool:
 
     def revisions(self) -> set[str]:
         return {e.revision for e in self.prefill} & {e.revision for e in self.decode}
+
+
+class Discovery(Protocol):
+    """Where the pool comes from: `current()` is read on every request, so it never blocks."""
+
+    def current(self) -> Pool: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class StaticDiscovery:
@@ -121,14 +132,17 @@ class KubernetesDiscovery:
         if self._api is None:
             from kubernetes import client, config
 
+            # The client's loaders carry no annotations: typed here, where they are called.
+            load_kube: Callable[..., None] = config.load_kube_config
+            load_incluster: Callable[..., None] = config.load_incluster_config
             conf = client.Configuration()
             if self.kubeconfig:
-                config.load_kube_config(config_file=self.kubeconfig, client_configuration=conf)
+                load_kube(config_file=self.kubeconfig, client_configuration=conf)
             else:
                 try:
-                    config.load_incluster_config(client_configuration=conf)
+                    load_incluster(client_configuration=conf)
                 except config.ConfigException:
-                    config.load_kube_config(client_configuration=conf)
+                    load_kube(client_configuration=conf)
             api = client.ApiClient(conf)
             self._api = (api, client.DiscoveryV1Api(api), client.CoreV1Api(api))
         return self._api
@@ -150,7 +164,7 @@ class KubernetesDiscovery:
             slices = [api.sanitize_for_serialization(s) for s in items]
             ports = (self.cfg.kv_events_port, self.cfg.kv_events_replay_port)
             roles[role] = endpoints_from_slices(
-                slices, labels, role, self.cfg.tp_size[role], self.cfg.revision_label, ports
+                slices, labels, role, self.cfg.tp_size.of(role), self.cfg.revision_label, ports
             )
         return Pool(prefill=roles["prefill"], decode=roles["decode"])
 
@@ -177,7 +191,7 @@ class KubernetesDiscovery:
 
 def make_discovery(
     static: dict[str, tuple[Endpoint, ...]] | None, kube: KubernetesDiscoveryConfig | None
-) -> Any:
+) -> Discovery:
     if static is not None:
         return StaticDiscovery(static)
     assert kube is not None, "config validation guarantees one discovery source"

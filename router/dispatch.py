@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -322,8 +322,11 @@ class Dispatcher:
         p_leg = self.prefill(p, req.path, p_body, rid, min(dl.prefill_s, remaining), tokens)
         delay = self._decode_delay(p)  # before P's leg starts: the tokens ahead of this request
         p_task = asyncio.create_task(p_leg)
-        # D waits for KV while P computes: until P's leg ends only the request's deadline bounds it.
-        d_leg = lambda: self._decode(req, d, d_params, rid, deadline, first_token_bound=False)  # noqa: E731
+
+        def d_leg() -> Coroutine[Any, Any, OpenLeg]:
+            # D waits for KV while P computes: until P's leg ends only the request's deadline bounds it.
+            return self._decode(req, d, d_params, rid, deadline, first_token_bound=False)
+
         opened = asyncio.Event()  # D's leg sent: from then on D depends on P's KV
         if delay > 0:
             d_task = asyncio.create_task(self._when_due(d_leg, d, p_task, delay, opened))

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 from kvferry.router import bounded
 from kvferry.router.config import Endpoint
 
@@ -103,18 +102,3 @@ class PoolMetrics:
         answer = await gather(session, *pool)
         self._answer = (pool, self.clock(), answer)
         return answer
-
-
-def handler(
-    state_of: Callable[[web.Request], dict[str, Any]],
-) -> Callable[[web.Request], Awaitable[web.Response]]:
-    """The GET handler: the current pool's transfer metrics as JSON (`state_of` finds the app's state,
-    whose "pool_metrics" is a PoolMetrics)."""
-
-    async def pool_metrics(request: web.Request) -> web.Response:
-        state = state_of(request)
-        pool = state["discovery"].current()
-        answer = await state["pool_metrics"].get(state["session"], (pool.prefill, pool.decode))
-        return web.json_response(answer)
-
-    return pool_metrics

@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from kvferry.router import dispatch
 from kvferry.router.app import STATE, build_app
 from kvferry.router.config import parse_config
+from kvferry.router.state import RouterState
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -205,7 +206,7 @@ def run(mode: str, p_mode: str, d_mode: str, test: Check, api_key: str | None = 
         dispatch.KV_MARGIN_S = margin
 
 
-def router_state(client: TestClient) -> dict[str, Any]:
+def router_state(client: TestClient) -> RouterState:
     return client.server.app[STATE]
 
 

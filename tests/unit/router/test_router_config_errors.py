@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 import pytest
-from kvferry.router.config import ConfigError, load_config, parse_config, read_api_key
+from kvferry.router.config import ConfigError, TpSize, load_config, parse_config, read_api_key
 
 from tests.unit.docedit import mutated
 
@@ -55,10 +55,11 @@ def test_kubernetes_discovery_parses_with_defaults() -> None:
     }
     cfg = parse_config(doc)
     assert cfg.kubernetes is not None and cfg.kubernetes.revision_label == "kvferry.io/revision"
-    assert cfg.kubernetes.tp_size == {"prefill": 1, "decode": 1}
+    assert cfg.kubernetes.tp_size == TpSize(prefill=1, decode=1)
     kube = doc["discovery"]["kubernetes"]
     partial = parse_config(mutated(doc, ["discovery", "kubernetes", "tp_size"], {"decode": 2})).kubernetes
-    assert partial is not None and partial.tp_size == {"prefill": 1, "decode": 2}
+    assert partial is not None and partial.tp_size == TpSize(prefill=1, decode=2)
+    assert (partial.tp_size.of("prefill"), partial.tp_size.of("decode")) == (1, 2)
     for tp_size, message in (
         ({"router": 2}, "tp_size: unknown key(s) ['router']"),
         ({"prefill": 0}, "tp_size.prefill: expected a positive"),

@@ -30,7 +30,7 @@ def prompt(i: int, tokens: int) -> dict:
 async def one_ahead(client: TestClient, p: FakeEngine, tokens_per_s: float, tokens: int) -> asyncio.Task:
     """Give the router's backlog a measured prefill rate (without waiting for one), then open a first
     request of `tokens` on P; returns its task once its prefill leg is open."""
-    backlog = router_state(client)["backlog"]
+    backlog = router_state(client).backlog
     backlog.started(p.url, int(tokens_per_s), 0.0)
     backlog.finished(p.url, int(tokens_per_s), 1.0)
     first = asyncio.create_task(client.post("/v1/completions", json=prompt(1, tokens)))
@@ -73,7 +73,7 @@ def test_decode_opens_before_prefill_ends_when_the_estimate_is_due() -> None:
 def test_a_client_gone_before_decode_was_sent_frees_prefill_at_once() -> None:
     async def check(client: TestClient, p: FakeEngine, d: FakeEngine) -> None:
         first = await one_ahead(client, p, 100, 1000)
-        dispatcher, backlog = router_state(client)["dispatcher"], router_state(client)["backlog"]
+        dispatcher, backlog = router_state(client).serving.dispatcher, router_state(client).backlog
         url = str(client.make_url("/v1/completions"))
         async with aiohttp.ClientSession() as session:
             with contextlib.suppress(asyncio.TimeoutError):  # gives up 10 s before D would open

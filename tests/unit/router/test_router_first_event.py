@@ -72,7 +72,7 @@ def test_when_prefill_is_down_a_failed_receive_is_recomputed_on_decode() -> None
 
     async def check(client, p, d) -> None:
         state = router_state(client)
-        state["tracker"].mark_down(state["discovery"].current().prefill[0])
+        state.tracker.mark_down(state.discovery.current().prefill[0])
         resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "stream": True})
         assert resp.status == 200, await resp.text()
         assert resp.headers["X-Kvferry-Recomputed"] == "decode_error_event"

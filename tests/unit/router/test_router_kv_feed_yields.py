@@ -91,7 +91,7 @@ def test_a_request_is_served_between_the_slices_of_a_huge_batch(tmp_path: Path) 
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = runner.addresses[0][1]
-        index = app[STATE]["index"]
+        index = app[STATE].index
         real_stored = index.stored
 
         def recording_stored(engine: str, keys: Any) -> None:
@@ -131,7 +131,7 @@ def test_a_request_is_served_between_the_slices_of_a_huge_batch(tmp_path: Path) 
             pub.close(linger=0)
             ctx.destroy(linger=0)
             client.close()
-            answer["metrics"] = app[STATE]["metrics"].render()
+            answer["metrics"] = app[STATE].metrics.render()
             await runner.cleanup()
 
     asyncio.run(scenario())

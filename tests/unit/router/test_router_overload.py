@@ -128,7 +128,7 @@ def test_prefill_leg_is_closed_when_decode_failed_first() -> None:
         await asyncio.sleep(0.5)  # past P's 2 s: a leg left running would have finished by now
         pd_leg = p.seen[0]["rid"]
         assert pd_leg not in p.finished, "P's leg was left running for nobody"
-        assert not router_state(client)["dispatcher"].detached
+        assert not router_state(client).serving.dispatcher.detached
 
     # The recompute lands on the same slow P (2 s): give its first token room.
     run("kvferry", "slow:2", "error_event", check, deadlines={"decode_first_token_s": 4, "total_s": 8})

@@ -105,7 +105,7 @@ def test_a_request_prefill_could_not_start_in_time_gets_429_before_anything_is_s
             assert (await client.post("/v1/completions", json=prompt(i))).status == 200
         seen = len(p.seen), len(d.seen)
         first = asyncio.create_task(client.post("/v1/completions", json=prompt(4)))
-        backlog = router_state(client)["backlog"]
+        backlog = router_state(client).backlog
         await wait_until_async(lambda: backlog.engines[p.url].legs == 1, "the first prefill leg open", 10)
         resp = await client.post("/v1/completions", json=prompt(5))  # (100 ahead + 100) / 333 = 0.6 s
         assert resp.status == 429 and resp.headers["Retry-After"] == "1"
@@ -129,7 +129,7 @@ def test_unset_the_limit_is_the_prefill_deadline() -> None:
     body = prompt(0)
 
     async def check(client: TestClient, p: FakeEngine, d: FakeEngine) -> None:
-        planner = router_state(client)["planner"]
+        planner = router_state(client).planner
         assert planner.max_prefill_wait_s == 3.0
         assert (await client.post("/v1/completions", json=body)).status == 200
 

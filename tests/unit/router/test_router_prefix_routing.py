@@ -44,8 +44,8 @@ def test_repeated_prefix_goes_to_its_holder_and_short_prompts_to_decode_alone() 
             await e.server.start_server()
         client = TestClient(TestServer(build_app(parse_config(_config(p, [d0, d1], ROUTING)))))
         await client.start_server()
-        tracker = client.server.app[STATE]["tracker"]
-        endpoints = {e.engine_id: e for e in client.server.app[STATE]["discovery"].current().decode}
+        tracker = client.server.app[STATE].tracker
+        endpoints = {e.engine_id: e for e in client.server.app[STATE].discovery.current().decode}
 
         async def send(prompt: list[int]) -> None:
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 3}
@@ -89,8 +89,8 @@ def test_a_hot_prefix_spreads_past_the_load_bound() -> None:
         routing = {"block_tokens": 16, "load_bound": 1}
         client = TestClient(TestServer(build_app(parse_config(_config(p, [d0, d1], routing)))))
         await client.start_server()
-        tracker = client.server.app[STATE]["tracker"]
-        endpoints = {e.engine_id: e for e in client.server.app[STATE]["discovery"].current().decode}
+        tracker = client.server.app[STATE].tracker
+        endpoints = {e.engine_id: e for e in client.server.app[STATE].discovery.current().decode}
         body = {"model": "tiny", "prompt": list(range(64)), "max_tokens": 3}
         try:
             assert (await client.post("/v1/completions", json=body)).status == 200

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from aiohttp.test_utils import TestClient
-from kvferry.router.app import CONFIG
+from kvferry.router.app import STATE
 
 from tests.unit.router.engines import FakeEngine, router_state, run, stream_text
 
@@ -18,9 +18,9 @@ BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 5}
 
 
 def _up(client: TestClient) -> dict[str, bool]:
-    static = client.server.app[CONFIG].static
+    static = client.server.app[STATE].config.static
     assert static is not None
-    tracker = router_state(client)["tracker"]
+    tracker = router_state(client).tracker
     return {role: tracker.is_up(static[role][0]) for role in ("prefill", "decode")}
 
 
