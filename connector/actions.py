@@ -71,6 +71,24 @@ class SendCancel:
 
 
 @dataclass(frozen=True)
+class NothingInFlight:
+    """Producer: no WRITE of `key` to this consumer rank is or will be in flight (its Cancel named a
+    key we hold nothing of for it): answer the canceller with a Failure so it can free its blocks."""
+
+    key: Key
+    consumer_rank: int
+
+
+@dataclass(frozen=True)
+class ProbeProducers:
+    """Consumer: `key` is held past its deadline + grace with these producer ranks silent: check
+    each one's side channel (gone, or alive and to be cancelled again)."""
+
+    key: Key
+    producer_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Received:
     """Consumer: all KV of `key` has landed."""
 
@@ -80,12 +98,21 @@ class Received:
 
 @dataclass(frozen=True)
 class Failed:
-    """Consumer: `key` will not be (fully) received; the caller reports a load failure. `silent`: the
-    producer ranks that never answered at all (their connection may be broken: fetch them again)."""
+    """Consumer: `key` will not be (fully) received; the caller reports a load failure."""
 
     key: Key
     reason: str
-    silent: tuple[int, ...] = ()
 
 
-Action = StartWrite | SendFailure | Release | Reject | Register | SendCancel | Received | Failed
+Action = (
+    StartWrite
+    | SendFailure
+    | Release
+    | Reject
+    | Register
+    | SendCancel
+    | NothingInFlight
+    | ProbeProducers
+    | Received
+    | Failed
+)

@@ -2,8 +2,14 @@
 
 An expected transfer completes when every expected producer rank has reported (Done or Failure). At
 its deadline the outstanding ranks are cancelled and the blocks stay quarantined until every rank has
-answered or `grace_s` more has passed. Notices that arrive before the expectation are buffered,
-bounded in total and per key. Pure, like protocol.py.
+answered or is seen gone: a posted WRITE cannot be stopped, and on RDMA it lands without its
+producer's help, so no timer alone ever releases blocks a producer might still write. Past
+deadline + `grace_s` a receive is *held*: its silent ranks are probed every `probe_s` (the endpoint
+checks their side channels: a rank nothing listens for, or that restarted, is gone; a live one is
+cancelled again), a gone rank counts as answered `drain_s` later (bytes already on their way land
+first), and at most `max_held` receives are held at once: beyond that the rank takes no new
+receive (`held_full`) rather than reuse a block. Notices that arrive before the expectation are
+buffered, bounded in total and per key. Pure, like protocol.py.
 """
 
 from __future__ import annotations
@@ -11,7 +17,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvferry.connector.actions import Action, Failed, Key, Received, Register, Reject, SendCancel
+from kvferry.connector.actions import (
+    Action,
+    Failed,
+    Key,
+    ProbeProducers,
+    Received,
+    Register,
+    Reject,
+    SendCancel,
+)
 from kvferry.connector.layout import LayoutError, overlapping_ranks
 from kvferry.connector.limits import DEFAULT_LIMITS, TICK_BUDGET, Limits
 from kvferry.connector.wire import Done, Failure
@@ -28,6 +43,8 @@ class _Expected:
     failures: dict[int, str] = field(default_factory=dict)
     cancelled: bool = False  # the consumer's request ended early (abort)
     quarantine_until: float | None = None  # set at the deadline: waiting for outstanding ranks
+    next_probe: float | None = None  # set once held (past quarantine_until): when to probe again
+    gone: dict[int, float] = field(default_factory=dict)  # rank seen gone -> when it counts as answered
 
 
 class ConsumerCore:
@@ -40,6 +57,7 @@ class ConsumerCore:
         # key -> {(producer engine, rank): (notice, arrived)}; keys in arrival order of their first
         self.early: OrderedDict[Key, dict[tuple[str, int], tuple[Done | Failure, float]]] = OrderedDict()
         self.early_notices = 0  # notices in `early`, all keys together
+        self.held = 0  # entries in `expected` held past deadline + grace_s (next_probe set)
 
     def expect(
         self, key: Key, producer_engine: str, producer_tp: int, deadline_s: float, now: float
@@ -54,6 +72,11 @@ class ConsumerCore:
             return [
                 Reject("overflow", f"too many pending receives; failing {key}"),
                 Failed(key, "overloaded"),
+            ]
+        if self.held >= self.limits.max_held:
+            return [
+                Reject("held_full", f"{self.held} receives hold blocks a producer may write; failing {key}"),
+                Failed(key, "held_full"),
             ]
         self.expected[key] = _Expected(producer_engine, frozenset(ranks), now, now + deadline_s)
         out: list[Action] = [Register(key, tuple(ranks))]
@@ -107,8 +130,9 @@ class ConsumerCore:
         return out
 
     def abort(self, key: Key, now: float) -> list[Action]:
-        """The consumer's request ended early: cancel outstanding ranks, keep waiting (bounded) for
-        writes already in flight so the blocks are not reused under a WRITE."""
+        """The consumer's request ended early: cancel outstanding ranks, keep waiting for writes
+        already in flight (vLLM keeps the blocks of an aborted receive until we report it), so the
+        blocks are not reused under a WRITE."""
         entry = self.expected.get(key)
         if entry is None or entry.cancelled:
             return []
@@ -118,12 +142,22 @@ class ConsumerCore:
     def tick(self, now: float) -> list[Action]:
         out: list[Action] = []
         for key, entry in list(self.expected.items()):
-            if entry.quarantine_until is not None and now >= entry.quarantine_until:
-                del self.expected[key]
-                ranks = self._outstanding(entry)
-                out.append(Reject("unanswered", f"{key}: producer ranks {list(ranks)} never answered; "
-                                  f"blocks released {self.limits.grace_s}s after the deadline"))  # fmt: skip
-                out.append(Failed(key, "deadline", tuple(sorted(ranks))))
+            if entry.gone:
+                out += self._drained(key, entry, now)
+                if key not in self.expected:
+                    continue
+            if (
+                entry.quarantine_until is not None
+                and entry.next_probe is None
+                and now >= entry.quarantine_until
+            ):
+                # Still unanswered: never release on a timer; probe until answered or seen gone.
+                self.held += 1
+                entry.next_probe = now
+            if entry.next_probe is not None:
+                if now >= entry.next_probe and (silent := self._silent(entry)):
+                    entry.next_probe = now + self.limits.probe_s
+                    out.append(ProbeProducers(key, silent))
             elif entry.quarantine_until is None and now >= entry.deadline:
                 # Outstanding ranks remain (else it settled): stop them, then wait for their answers.
                 out += [SendCancel(key, self._outstanding(entry))] if not entry.cancelled else []
@@ -140,18 +174,43 @@ class ConsumerCore:
             out.append(Reject("unknown_request", f"notices for {key} never matched a receive"))
         return out
 
+    def producer_gone(self, key: Key, rank: int, now: float) -> list[Action]:
+        """The endpoint saw producer rank `rank` of `key` gone (nothing listens at its side channel,
+        or another incarnation does) and unloaded its agent: it counts as answered `drain_s` from
+        now, once bytes already on their way have landed."""
+        entry = self.expected.get(key)
+        if entry is None or rank not in self._outstanding(entry) or rank in entry.gone:
+            return []
+        entry.gone[rank] = now + self.limits.drain_s
+        return []
+
     def pending(self) -> dict[str, int]:
         quarantined = sum(e.quarantine_until is not None for e in self.expected.values())
-        return {"receives": len(self.expected), "early_notices": len(self.early), "quarantined": quarantined}
+        return {
+            "receives": len(self.expected),
+            "early_notices": len(self.early),
+            "quarantined": quarantined,
+            "held": self.held,
+        }
 
     def _outstanding(self, entry: _Expected) -> tuple[int, ...]:
         return tuple(sorted(entry.ranks - entry.done - set(entry.failures)))
+
+    def _silent(self, entry: _Expected) -> tuple[int, ...]:
+        return tuple(r for r in self._outstanding(entry) if r not in entry.gone)
+
+    def _drained(self, key: Key, entry: _Expected, now: float) -> list[Action]:
+        drained = [r for r, at in entry.gone.items() if now >= at and r in self._outstanding(entry)]
+        for rank in drained:
+            entry.failures[rank] = "producer_gone"
+        return self._settle(key, now) if drained else []
 
     def _settle(self, key: Key, now: float) -> list[Action]:
         entry = self.expected[key]
         if self._outstanding(entry):
             return []
         del self.expected[key]
+        self.held -= entry.next_probe is not None
         if entry.failures:
             late = entry.quarantine_until is not None  # "cancelled" answers to our deadline's Cancel
             return [Failed(key, "deadline" if late else next(iter(entry.failures.values())))]

@@ -4,7 +4,7 @@ Pure (no I/O). Trust comes from the transport, not from the message: the sender'
 incarnation are the ones in its NIXL agent name (`<engine>/<rank>/<incarnation>`), and the message's
 own claims must match them (a rank may speak only for itself; a registration names the side channel
 of the very agent that sent it); a peer of another revision (docs/security.md) or a message this
-role does not take is refused.
+role does not take is refused, except a Failure (no KV, only "I will not write").
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def admit(raw: bytes, sender_agent: str, role: str, revision: str) -> Message | 
         return Reject("unexpected_engine", f"registration naming incarnation {msg.incarnation!r} sent by "
                       f"{sender_agent}")  # fmt: skip
     theirs = getattr(msg, "revision", revision)
-    if theirs != revision:  # P and D of different revisions never exchange KV
+    # P and D of different revisions never exchange KV. A Failure carries none: it only tells a
+    # consumer that this verified producer rank will not write, which it must hear to free blocks.
+    if theirs != revision and not (isinstance(msg, Failure) and role == "consumer"):
         return Reject("wrong_revision", f"{type(msg).__name__} of revision {theirs!r} from {sender}")
     if not isinstance(msg, TAKES[role]):
         return Reject("unexpected_message", f"{type(msg).__name__} from {sender} on a {role}")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from kvferry.connector.actions import (
     Action,
     Key,
+    NothingInFlight,
     Reject,
     Release,
     SendFailure,
@@ -85,6 +86,9 @@ class ProducerCore:
         self.parked: OrderedDict[Slot, tuple[Registration, float, float]] = OrderedDict()
         self.latest: OrderedDict[str, int] = OrderedDict()  # request_id -> newest attempt seen
         self.ended: OrderedDict[Key, str] = OrderedDict()  # recently released keys -> reason
+        # (key, consumer engine) of Cancels for keys we held nothing of: that engine's registration or
+        # our prefill naming it, still on their way, must not start a WRITE (other engines unaffected)
+        self.cancelled: OrderedDict[tuple[Key, str], None] = OrderedDict()
         # Keys our own prefill named, with the consumer engine it named ("" when aborted): only a
         # registration for such a key may draw a Failure through a new handshake (SendFailure.verified).
         self.named: OrderedDict[Key, str] = OrderedDict()
@@ -118,6 +122,8 @@ class ProducerCore:
             return [Reject("duplicate", f"prefill of {key} finished twice")]
         out = self._supersede_older(key, now)
         self._name(key, consumer_engine)
+        if (key, consumer_engine) in self.cancelled and key not in self.ended:
+            self._mark_ended(key, "cancelled")  # its consumer gave up before we had anything
         if key in self.ended:  # e.g. the consumer cancelled before the prefill finished: free at once
             return out + [Reject("late_prefill", f"prefill of {key} finished after it ended: "
                                  f"{self.ended[key]}"), Release(key, self.ended[key])]  # fmt: skip
@@ -168,11 +174,9 @@ class ProducerCore:
             ]
         if self.ended.get(key) == "sent":
             return [Reject("duplicate", f"registration for {key} after its KV was sent")]
-        if key in self.ended:
-            return [
-                Reject("late_registration", f"{key} already ended: {self.ended[key]}"),
-                self._fail(reg, self.ended[key]),
-            ]
+        if key in self.ended or (key, reg.consumer_engine) in self.cancelled:
+            why = self.ended.get(key, "cancelled")
+            return [Reject("late_registration", f"{key} already ended: {why}"), self._fail(reg, why)]
         if reg.first_token >= reg.num_tokens:  # nothing to write cannot be answered by a WRITE
             return [
                 Reject("malformed", f"{key}: tokens [{reg.first_token}, {reg.num_tokens}) is empty"),
@@ -207,28 +211,38 @@ class ProducerCore:
         return out
 
     def cancel(self, key: Key, consumer_engine: str, consumer_rank: int, now: float) -> list[Action]:
-        """The consumer gave up: drop what is not yet written; in-flight writes finish first."""
-        # Only the engine that registered may cancel (as for held blocks below): another engine's
-        # Cancel must not fail a registration it does not own (its slot is its own).
-        if (key, consumer_engine, consumer_rank) in self.parked:
-            # The consumer's request failed as a whole: other ranks' registrations and the prefill's
-            # blocks need not wait for their TTL and lease.
+        """The consumer gave up: drop what is not yet written; in-flight writes finish first. Every
+        Cancel of a rank with nothing in flight to it is answered (NothingInFlight): a consumer holds
+        its blocks until each producer rank answers or is gone, however many Cancels that takes."""
+        entry = self.finished.get(key)
+        if entry is None:
+            # Nothing of this key is held. The consumer's request failed as a whole: its parked
+            # registrations are answered, and its registrations or our hand-over still on their way
+            # are refused (no WRITE into blocks the consumer frees on our answer).
             out: list[Action] = []
             for slot in self._slots(key):
                 if slot[1] == consumer_engine:
                     reg, _, _ = self._unpark(slot)
                     out.append(self._fail(reg, "cancelled"))
-            self._mark_ended(key, "cancelled")  # nothing is held yet: no Release
+            self.cancelled[(key, consumer_engine)] = None
+            while len(self.cancelled) > self.limits.max_entries:
+                self.cancelled.popitem(last=False)
+            if not any(isinstance(a, SendFailure) and a.reg.consumer_rank == consumer_rank for a in out):
+                out.append(NothingInFlight(key, consumer_rank))
             return out
-        entry = self.finished.get(key)
-        if entry is None or entry.consumer_engine != consumer_engine:
-            return [Reject("unknown_request", f"cancel for {key} from {consumer_engine}")]
-        # Nothing to send: a registered rank is answered by its WRITE (Done, or write_finished's
-        # Failure, which needs the registration kept); a rank not registered yet is refused when it
-        # registers. A Failure here could overtake the WRITE's Done (failing a receive whose KV
-        # landed) or reach the consumer while the WRITE still runs (blocks reused under it).
+        if entry.consumer_engine != consumer_engine:
+            # Only the engine our prefill named may cancel what is held; the canceller has nothing here.
+            return [Reject("unknown_request", f"cancel for {key} from {consumer_engine}"),
+                    NothingInFlight(key, consumer_rank)]  # fmt: skip
+        # A registered rank is answered by its WRITE (Done, or write_finished's Failure, which needs
+        # the registration kept); a Failure now could overtake the WRITE's Done (failing a receive
+        # whose KV landed) or reach the consumer while the WRITE still runs (blocks reused under it).
+        # A rank that has not registered has no WRITE: it is answered now (and refused if its
+        # registration comes later, the entry having failed).
+        silent = consumer_rank not in entry.regs and consumer_rank not in entry.inflight
         entry.failed = True
-        return self._maybe_release(key, now)
+        answer: list[Action] = [NothingInFlight(key, consumer_rank)] if silent else []
+        return answer + self._maybe_release(key, now)
 
     def write_finished(self, key: Key, consumer_rank: int, ok: bool, reason: str, now: float) -> list[Action]:
         entry = self.finished.get(key)

@@ -36,7 +36,7 @@ def test_a_message_from_the_engine_it_claims_and_of_our_revision_is_admitted():
         (b"KVF\x04garbage", "decode-0/0/a", "producer", "malformed"),
         (encode(registration(engine="decode-9")), "decode-0/0/a", "producer", "unexpected_engine"),
         (encode(registration(revision="r0")), "decode-0/0/a", "producer", "wrong_revision"),
-        (encode(Failure("q", 0, "prefill-0", 0, "x", "r0")), "prefill-0/0/a", "consumer", "wrong_revision"),
+        (encode(Done("q", 0, "prefill-0", 0, "r0")), "prefill-0/0/a", "consumer", "wrong_revision"),
         (encode(Cancel("q", 0, "decode-0", 0, "r0")), "decode-0/0/a", "producer", "wrong_revision"),
         (encode(Done("q", 0, "prefill-0", 0, "r1")), "prefill-0/0/a", "producer", "unexpected_message"),
         (encode(registration(deadline=0.0)), "decode-0/0/a", "producer", "malformed"),
@@ -54,7 +54,7 @@ def test_a_message_from_the_engine_it_claims_and_of_our_revision_is_admitted():
         "garbage",
         "impostor",
         "old-revision",
-        "failure-revision",
+        "done-revision",
         "cancel-revision",
         "wrong-role",
         "no-deadline",
@@ -113,3 +113,15 @@ def test_an_idle_peer_with_a_write_in_flight_stays_loaded():
     assert peers.prune(transport, busy={"p-b/0/x"}, now=1000.0) == []
     assert "p-b/0/x" in transport.peers
     peers.close()
+
+
+def test_a_failure_of_another_revision_is_admitted_it_carries_no_kv():
+    # A consumer holds its blocks until each producer rank answers: a producer of another revision
+    # (a rollout) refuses to exchange KV, and its Failure must still reach the consumer.
+    msg = admit(
+        encode(Failure("q", 0, "prefill-0", 0, "wrong_revision", "r0")), "prefill-0/0/a", "consumer", "r1"
+    )
+    assert isinstance(msg, Failure) and msg.reason == "wrong_revision"
+    # still bound to its sender's name
+    forged = admit(encode(Failure("q", 0, "prefill-0", 0, "x", "r0")), "prefill-9/0/a", "consumer", "r1")
+    assert reason(forged) == "unexpected_engine"

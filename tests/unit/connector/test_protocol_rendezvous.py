@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from kvferry.connector.actions import (
     Failed,
+    NothingInFlight,
+    ProbeProducers,
     Received,
     Register,
     Reject,
@@ -185,17 +187,63 @@ def test_deadline_cancels_producers_and_quarantines_blocks_until_they_answer():
     assert c.pending()["receives"] == 0
 
 
-def test_quarantine_ends_after_grace_when_a_producer_never_answers():
-    c = consumer(grace_s=2.0)
+def test_a_receive_no_producer_answers_is_held_never_released_on_a_timer():
+    c = consumer(grace_s=2.0, probe_s=1.0, drain_s=0.5)
     c.expect(("r", 0), "p0", producer_tp=2, deadline_s=2, now=0.0)
     c.notice(done(0), now=1.0)
     assert c.tick(now=2.0) == [SendCancel(("r", 0), (1,))]
     assert c.tick(now=3.9) == []
-    out = c.tick(now=4.0)
-    assert kinds(out) == ["Reject", "Failed"] and out[0].reason == "unanswered"
-    # Rank 1 never answered at all (not even a Failure): its connection may be broken, the endpoint
-    # fetches that rank again before it next registers with it; rank 0 answered and is left alone.
-    assert out[1] == Failed(("r", 0), "deadline", silent=(1,)) and c.pending()["receives"] == 0
+    # Past deadline + grace, rank 1 is still silent: a WRITE from it may still land (on RDMA without
+    # its producer's help), so the blocks stay held and the rank is probed, again and again.
+    assert c.tick(now=4.0) == [ProbeProducers(("r", 0), (1,))] and c.pending()["held"] == 1
+    assert c.tick(now=4.5) == [] and c.tick(now=5.0) == [ProbeProducers(("r", 0), (1,))]
+    assert c.tick(now=3600.0) == [ProbeProducers(("r", 0), (1,))] and c.pending()["receives"] == 1
+
+
+def test_a_gone_producer_counts_as_answered_once_its_bytes_drained():
+    c = consumer(grace_s=2.0, probe_s=1.0, drain_s=0.5)
+    c.expect(("r", 0), "p0", producer_tp=1, deadline_s=2, now=0.0)
+    c.tick(now=2.0)
+    assert c.tick(now=4.0) == [ProbeProducers(("r", 0), (0,))]
+    assert c.producer_gone(("r", 0), 0, now=4.1) == []
+    assert c.tick(now=4.5) == []  # not probed again: it is gone, its last bytes may still be landing
+    assert c.tick(now=4.6) == [Failed(("r", 0), "deadline")]
+    assert c.pending() == {"receives": 0, "early_notices": 0, "quarantined": 0, "held": 0}
+
+
+def test_an_answer_to_a_repeated_cancel_releases_a_held_receive():
+    c = consumer(grace_s=2.0)
+    c.expect(("r", 0), "p0", producer_tp=1, deadline_s=2, now=0.0)
+    c.tick(now=2.0)
+    c.tick(now=4.0)
+    assert c.notice(Failure("r", 0, "p0", 0, "cancelled"), now=4.2) == [Failed(("r", 0), "deadline")]
+    assert c.pending()["held"] == 0
+
+
+def test_held_receives_are_bounded_and_new_ones_refused_rather_than_blocks_reused():
+    c = consumer(grace_s=1.0, max_held=1)
+    c.expect(("a", 0), "p0", producer_tp=1, deadline_s=1, now=0.0)
+    c.tick(now=1.0)
+    c.tick(now=2.0)
+    out = c.expect(("b", 0), "p0", producer_tp=1, deadline_s=5, now=2.1)
+    assert kinds(out) == ["Reject", "Failed"] and out[1] == Failed(("b", 0), "held_full")
+    c.notice(Failure("a", 0, "p0", 0, "cancelled"), now=2.2)  # the held one drains: room again
+    assert kinds(c.expect(("b", 0), "p0", producer_tp=1, deadline_s=5, now=2.3)) == ["Register"]
+
+
+def test_a_cancel_is_answered_for_every_rank_nothing_is_in_flight_to():
+    p = producer()
+    # a key we hold nothing of: answered, and that consumer's registration arriving later refused
+    assert p.cancel(("r", 0), "d0", 0, now=0.0) == [NothingInFlight(("r", 0), 0)]
+    assert kinds(p.registration(reg(), now=0.1)) == ["Reject", "SendFailure"]
+    # and our prefill naming that consumer is freed at once
+    assert kinds(p.prefill_finished(("r", 0), BLOCKS, 40, "d0", now=0.2)) == ["Reject", "Release"]
+    # held, rank 1 not registered (its registration is on its way): answered; rank 0 writing: not
+    p.prefill_finished(("s", 0), BLOCKS, 40, "d0", now=1.0)
+    assert kinds(p.registration(reg("s", rank=0, tp=2), now=1.1)) == ["StartWrite"]
+    assert p.cancel(("s", 0), "d0", 1, now=1.2) == [NothingInFlight(("s", 0), 1)]
+    assert p.cancel(("s", 0), "d0", 0, now=1.3) == []  # its WRITE answers it
+    assert kinds(p.registration(reg("s", rank=1, tp=2), now=1.4)) == ["SendFailure"]  # no WRITE
 
 
 def test_kv_that_fully_lands_during_quarantine_is_received():
@@ -246,9 +294,9 @@ def test_notice_from_unexpected_engine_or_attempt_is_not_counted():
     c.expect(("r", 1), "p0", producer_tp=1, deadline_s=30, now=0.0)
     assert kinds(c.notice(done(engine="intruder", attempt=1), now=0.1)) == ["Reject"]
     assert c.notice(done(attempt=0), now=0.1) == []  # old attempt: buffered, never matches attempt 1
-    assert c.pending() == {"receives": 1, "early_notices": 1, "quarantined": 0}
+    assert c.pending() == {"receives": 1, "early_notices": 1, "quarantined": 0, "held": 0}
     assert kinds(c.tick(now=100.0)) == ["SendCancel", "Reject"]
-    assert kinds(c.tick(now=103.0)) == ["Reject", "Failed"]
+    assert kinds(c.tick(now=103.0)) == ["ProbeProducers"]  # only p0 can answer it, or be gone
 
 
 def test_abort_waits_for_inflight_writes_then_reports_failure():

@@ -19,7 +19,10 @@ the end of every run:
   * no block is released under a WRITE: a producer never Releases a key while a WRITE reading it
     is handshaking or posted, never starts one after the consumer's deadline or for released blocks,
     and never sends a Failure for a consumer rank it is writing to; a consumer never ends a key while
-    a WRITE into its blocks is posted, and no WRITE is posted into blocks of a key it has ended;
+    a WRITE into its blocks is posted, and no WRITE is posted into blocks of a key it has ended; a
+    receive held past deadline + grace is released only when each silent producer rank answered a
+    (repeated) Cancel or was seen gone (its engine restarted), and a producer answers "nothing in
+    flight" only for a rank no WRITE of its is under way to;
   * every map is bounded by Limits.max_entries, and finished/parked/expected/early drain to empty
     once every key has ended and the clock has passed every deadline, lease, TTL and grace.
 
@@ -41,6 +44,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kvferry.connector.actions import (
     Failed,
+    NothingInFlight,
+    ProbeProducers,
     Received,
     Register,
     Reject,
@@ -120,6 +125,7 @@ class Transfers(RuleBasedStateMachine):
         # key -> (deadline_s, tokens, first token: the consumer's own prefix-cache hit)
         self.cparams: dict[tuple[str, int], tuple[float, int, int]] = {}
         self.recv: dict[tuple[int, tuple[str, int]], str] = {}  # (crank, key) -> waiting/ended/lost
+        self.rgen: dict[tuple[int, tuple[str, int]], int] = {}  # (crank, key) -> producer pgen at expect
         self.landed: dict[tuple[int, tuple[str, int]], set[int]] = {}  # Done delivered, by producer rank
         self.cancelled: set[tuple[str, int]] = set()  # keys a Cancel of the consumer reached a producer for
         self.max_deadline = 0.0
@@ -151,6 +157,7 @@ class Transfers(RuleBasedStateMachine):
                     assert [type(a) for a in out] == [Reject], out
                 continue
             self.recv[crank, key] = "waiting"
+            self.rgen[crank, key] = self.pgen
             self.landed[crank, key] = set()
             self.max_deadline = max(self.max_deadline, self.now + deadline_s)
             self._consumer_did(crank, core.expect(key, P_ENGINE, self.ptp, deadline_s, self.now))
@@ -182,6 +189,15 @@ class Transfers(RuleBasedStateMachine):
             elif isinstance(a, SendCancel):
                 for prank in a.producer_ranks:
                     self.net.append(Msg("P", prank, Cancel(a.key[0], a.key[1], D_ENGINE, crank)))
+            elif isinstance(a, ProbeProducers):
+                # endpoint.py: a producer engine restarted since the receive began is gone (its
+                # WRITEs died with it); one still there is cancelled again
+                assert self.now >= core.expected[a.key].deadline + self.climits.grace_s, a
+                for prank in a.producer_ranks:
+                    if self.pgen != self.rgen[crank, a.key]:
+                        self._consumer_did(crank, core.producer_gone(a.key, prank, self.now))
+                    else:
+                        self.net.append(Msg("P", prank, Cancel(a.key[0], a.key[1], D_ENGINE, crank)))
             elif isinstance(a, Received | Failed):
                 state = self.recv.get((crank, a.key))
                 assert state == "waiting", f"{a} on rank {crank}: the receive was {state}"
@@ -349,9 +365,17 @@ class Transfers(RuleBasedStateMachine):
                 self.reg_in[slot] = self.reg_in.get(slot, 0) + 1
             out = core.registration(b, self.now, b.deadline_unix + self.skew)
         else:
+            key = (b.request_id, b.attempt)
             if b.consumer_engine == D_ENGINE:
-                self.cancelled.add((b.request_id, b.attempt))
-            out = core.cancel((b.request_id, b.attempt), b.consumer_engine, b.consumer_rank, self.now)
+                self.cancelled.add(key)
+            out = core.cancel(key, b.consumer_engine, b.consumer_rank, self.now)
+            for a in [a for a in out if isinstance(a, NothingInFlight)]:
+                assert a.consumer_rank == b.consumer_rank, a
+                busy = [w for w in self.writes if (w.prank, w.key, w.crank) == (m.rank, key, a.consumer_rank)]
+                assert not busy, f"{a}: 'nothing in flight' while a WRITE to that rank is: {busy}"
+                if b.consumer_engine == D_ENGINE:  # endpoint.py: a Failure to the canceller's agent
+                    self.net.append(Msg("C", a.consumer_rank, Failure(*key, P_ENGINE, m.rank, "cancelled")))
+            out = [a for a in out if not isinstance(a, NothingInFlight)]
         self._producer_did(m.rank, out)
 
     @precondition(lambda self: bool(self.net))
@@ -525,7 +549,8 @@ class Transfers(RuleBasedStateMachine):
         for r, p in enumerate(self.producers):
             assert p.pending() == {"finished_blocks": 0, "registrations": 0, "inflight": 0}, (r, p.pending())
         for r, c in enumerate(self.consumers):
-            assert c.pending() == {"receives": 0, "early_notices": 0, "quarantined": 0}, (r, c.pending())
+            want = {"receives": 0, "early_notices": 0, "quarantined": 0, "held": 0}
+            assert c.pending() == want, (r, c.pending())
         assert "waiting" not in self.recv.values(), self.recv
         assert not [s for s, state in self.held.items() if s[0] == self.pgen and state == "held"], self.held
         unanswered = [s for s, n in self.reg_in.items() if s[0] == self.pgen and not self.answers.get(s)]
@@ -595,9 +620,12 @@ def test_only_the_engine_that_registered_cancels_a_parked_registration():
     # was: any engine's Cancel failed a parked registration (held blocks already checked the engine)
     p = producer()
     assert p.registration(registration(), now=0.0, deadline=5.0) == []
-    out = p.cancel(KEY, STRANGER, 0, now=0.1)
-    assert [type(a) for a in out] == [Reject] and p.pending()["registrations"] == 1
+    out = p.cancel(KEY, STRANGER, 0, now=0.1)  # the stranger is told it has nothing here, no more
+    assert out == [NothingInFlight(KEY, 0)] and p.pending()["registrations"] == 1
     assert p.cancel(KEY, D_ENGINE, 0, now=0.2) == [SendFailure(registration(), "cancelled")]
+    # and the stranger's registration for the key it cancelled is refused, ours is not affected
+    assert [type(a) for a in p.registration(registration(engine=STRANGER), now=0.3, deadline=5.0)] == [
+        Reject, SendFailure]
 
 
 def test_a_copy_of_a_registration_being_written_is_not_failed():
