@@ -11,9 +11,8 @@ producer: finished blocks live until written or until their lease expires, but n
   explicit Failure so it fails fast instead of waiting for its deadline.
 consumer: an expected transfer completes when every expected producer rank has reported (Done or
   Failure). At its deadline the outstanding ranks are cancelled and the blocks stay quarantined until
-  every rank has answered or `grace_s` more has passed: a WRITE posted just before the deadline must
-  not land in blocks vLLM has already given to another request. Notices that arrive before the
-  expectation are buffered.
+  every rank has answered or is seen gone (consumer.py): a posted WRITE must not land in blocks vLLM
+  has already given to another request. Notices that arrive before the expectation are buffered.
 """
 
 from __future__ import annotations

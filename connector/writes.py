@@ -6,9 +6,9 @@ the data still lands, all of it, as the worker progresses; so does removing the 
 side. A WRITE is therefore over only when NIXL reports DONE or ERR, never on a timer, and its
 registration is answered (Done or Failure) only then.
 
-The consumer frees its blocks at its deadline + `grace_s`, whatever it heard. A WRITE still running at
-the consumer's deadline + grace_s / 2 (this rank's clock) could land after that, into blocks that hold
-another request: the rank then fences itself. `fence` raises `StuckWrite` before anything in a round
+The consumer holds its blocks past its deadline until this rank answers or is gone (consumer.py). A
+WRITE still running at the consumer's deadline + grace_s / 2 (this rank's clock) would keep them held:
+the rank then fences itself. `fence` raises `StuckWrite` before anything in a round
 drives progress, and the endpoint stops without touching NIXL again (no release, no disconnect: both
 would progress the worker and push more of the WRITE), so the engine fails loudly and its restart ends
 the connection.
