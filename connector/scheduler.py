@@ -92,7 +92,7 @@ def prompt_ids(request: Request, num_tokens: int) -> list[int] | None:
 
 
 @dataclass
-class KvferryMetadata(KVConnectorMetadata):
+class KvferryMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is read as Any (pyproject)
     """One step's work for every worker (the same for all TP ranks)."""
 
     expects: list[Expect] = field(default_factory=list)  # consumer: register and wait
@@ -230,16 +230,25 @@ class KvferryScheduler:
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict | None]:
+    ) -> tuple[bool, dict[str, Any] | None]:
         if not self.is_producer:
-            self._hits.pop(request.request_id, None)
-            params = self._registered.pop(request.request_id, None)
-            if params is not None:
-                self._release((params.request_id, params.attempt), request.request_id)
-            if params is not None and request.status == RequestStatus.FINISHED_ABORTED:
-                # Still possibly waiting for KV: the worker cancels and reports it (bounded by the deadline).
-                self._step.aborted.append((params.request_id, params.attempt))
+            self._receive_finished(request)
             return False, None
+        return self._prefill_finished(request, block_ids)
+
+    def _receive_finished(self, request: Request) -> None:
+        self._hits.pop(request.request_id, None)
+        params = self._registered.pop(request.request_id, None)
+        if params is not None:
+            self._release((params.request_id, params.attempt), request.request_id)
+        if params is not None and request.status == RequestStatus.FINISHED_ABORTED:
+            # Still possibly waiting for KV: the worker cancels, and vLLM keeps the blocks of an
+            # aborted receive until the worker reports it (once every producer answered or is gone).
+            self._step.aborted.append((params.request_id, params.attempt))
+
+    def _prefill_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         if wants_transfer(request.kv_transfer_params) != "producer":
             return False, None
         early = self._early.pop(request.request_id, None)
@@ -265,7 +274,7 @@ class KvferryScheduler:
         )
         return self._hold(request.request_id, params)
 
-    def _hold(self, req_id: str, params: ProducerParams) -> tuple[bool, dict]:
+    def _hold(self, req_id: str, params: ProducerParams) -> tuple[bool, dict[str, Any]]:
         self._holding[req_id] = time.monotonic() + self.cfg.lease_s + 5.0
         block: dict[str, Any] = {"request_id": params.request_id, "attempt": params.attempt, "pushing": True}
         if self.tail:  # this answer's token follows a shortened prompt: not the request's first token
