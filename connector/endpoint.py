@@ -26,6 +26,7 @@ from functools import partial
 
 from kvferry.connector import actions as A
 from kvferry.connector import protocol as P
+from kvferry.connector import sideauth
 from kvferry.connector.config import KvferryConfig
 from kvferry.connector.identity import tokens_digest
 from kvferry.connector.intake import admit
@@ -124,7 +125,9 @@ class Endpoint:
         self._stepped_at = -DRIVEN_FOR_S
         self._startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"kvferry-{role}-{tp_rank}", daemon=True)
-        self.peers = Peers(cfg, self.metrics, self._wake.set)
+        self.auth = sideauth.load()  # the CR's transfer token (mode none without the operator)
+        self.metrics.record("transfer_auth", 1, self.auth.mode)
+        self.peers = Peers(cfg, self.metrics, self._wake.set, self.auth, self.agent_name)
         self.writes = InFlight()
         self._fenced = False  # a stuck WRITE: never drive this agent again (writes.py)
         self._contact_until = 0.0  # a peer is connecting until then (set by the side-channel thread)
@@ -321,8 +324,9 @@ class Endpoint:
         )  # fmt: skip
         port = self.cfg.side_channel_port + self.tp_rank if self.cfg.side_channel_port else 0  # 0: any port
         self.side = SideChannelServer(
-            self.cfg.side_channel_host, port, encode(info), on_contact=self._contacted
-        )
+            self.cfg.side_channel_host, port, encode(info), on_contact=self._contacted, auth=self.auth,
+            on_auth_failure=lambda reason: self.metrics.record("side_auth_failures", 1, reason),
+        )  # fmt: skip
         self.notifier = Notifier(
             self.cfg, self.transport, self.peers, self.metrics, me=info, side_port=self.side_port,
             role=self.role, refusal=partial(self._refusal, consumer_side=True),

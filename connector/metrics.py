@@ -10,6 +10,7 @@ metric classes and labels (`build()` with `extra_labels`).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,6 +187,22 @@ SPECS = (
     Spec("steps", Counter, names.STEPS, "Engine steps the connector's worker hooks ran in", ("role",)),
     Spec("handshakes", Counter, names.HANDSHAKES, "Side-channel peer metadata fetches", ("result",)),
     Spec(
+        "transfer_auth",
+        Gauge,
+        names.TRANSFER_AUTH,
+        "1 on this rank's side-channel auth mode: token (the CR's transfer token, which clients must "
+        "prove) or none (unauthenticated: no KVFERRY_TRANSFER_TOKEN_FILE)",
+        ("mode",),
+    ),
+    Spec(
+        "side_auth_failures",
+        Counter,
+        names.SIDE_AUTH_FAILURES,
+        "Side-channel clients closed without an answer, by reason (bad_proof: not this CR's transfer "
+        "token; malformed; timeout: no complete request within its time)",
+        ("reason",),
+    ),
+    Spec(
         "preflight",
         Gauge,
         names.PREFLIGHT_OK,
@@ -229,14 +246,17 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._m = build({Counter: Counter, Histogram: Histogram, Gauge: Gauge}, self.registry)
         self._journal: list[list[Any]] | None = [] if journal else None
+        self._lock = threading.Lock()  # the side channel's thread records too
 
     def record(self, attr: str, value: float, *labels: str) -> None:
         if attr == "failures" and len(labels) == 2:  # (role, reason): a peer may name the reason
             labels = (labels[0], failure_reason(labels[1]))
         apply(self._m, [[attr, list(labels), value]])
         if self._journal is not None:
-            self._journal.append([attr, list(labels), value])
+            with self._lock:
+                self._journal.append([attr, list(labels), value])
 
     def take_journal(self) -> list[list[Any]]:
-        out, self._journal = self._journal or [], [] if self._journal is not None else None
+        with self._lock:
+            out, self._journal = self._journal or [], [] if self._journal is not None else None
         return out

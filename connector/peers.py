@@ -22,7 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from kvferry.connector.config import KvferryConfig
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.ratelimit import log_limited
-from kvferry.connector.sidechannel import SideChannelError, fetch_peer
+from kvferry.connector.sideauth import SideAuth
+from kvferry.connector.sidechannel import NO_AUTH, SideChannelError, fetch_peer
 from kvferry.connector.transport import NixlTransport
 from kvferry.connector.wire import PeerInfo, layout_from_wire
 
@@ -34,8 +35,17 @@ MAX_WAITERS = 1024  # continuations waiting on one fetch
 
 
 class Peers:
-    def __init__(self, cfg: KvferryConfig, metrics: Metrics, wake: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        cfg: KvferryConfig,
+        metrics: Metrics,
+        wake: Callable[[], None],
+        auth: SideAuth = NO_AUTH,
+        name: str = "",
+    ) -> None:
+        """`auth`, `name`: the token this rank proves to peers' side channels, as agent `name`."""
         self.cfg, self.metrics, self._wake = cfg, metrics, wake
+        self._auth, self._name = auth, name
         # several threads, so one silent peer does not delay fetches from the others
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvferry-fetch")
         self._suspect_pool = ThreadPoolExecutor(1, thread_name_prefix="kvferry-fetch-suspect")
@@ -115,7 +125,7 @@ class Peers:
         delay, last = 0.05, None
         for _ in range(self.cfg.handshake_attempts):
             try:
-                info = fetch_peer(host, port, self.cfg.handshake_timeout_s)
+                info = fetch_peer(host, port, self.cfg.handshake_timeout_s, self._auth, self._name)
             except SideChannelError as exc:
                 last = exc
                 time.sleep(delay)

@@ -5,17 +5,22 @@ a thread of its own touching the agent; ours never touches the agent (it serves 
 at start), so the transport thread stays the agent's only user. It also carries our layout and an
 incarnation id next to the agent metadata, so a restarted peer with the same engine id is noticed.
 
-Protocol: the client connects and sends `KVF?`; the server answers with a 4-byte big-endian length
-and the encoded PeerInfo, then closes.
+Protocol (sideauth.py): on accept the server sends a challenge (a fresh nonce and whether it wants
+a proof); the client sends `KVF?`, its agent name and an HMAC of the CR's transfer token over the
+nonce; only when the proof checks does the server answer with a 4-byte big-endian length and the
+encoded PeerInfo, then close. A wrong proof, a malformed request or one not complete within
+`request_s` closes the connection without an answer and is counted (`on_auth_failure`, by a
+reason of sideauth.FAILURE_REASONS) and logged rate-limited; it costs other clients nothing.
 
 Bounds (the port is reachable by anything in the pod network): one selector thread serves all
 clients at once with non-blocking sockets, so no client can hold up another's handshake; each
 connection gets `deadline_s` for the whole exchange (not per read, so trickling bytes does not
-extend it) and `request_s` of it to send its 4-byte request. At most `max_clients` are open, and
-`max_per_host` from one host: a connection over either bound makes room by closing the oldest idle
-one (request not complete) of its own host, or of the host holding the most, so a flood of idle
-connections from one pod evicts only its own, never an honest peer's handshake (which sends its
-request at once); with no idle one to close, the newcomer is closed. Client misbehaviour is
+extend it) and `request_s` of it to send its request (at most sideauth.MAX_REQUEST bytes). At
+most `max_clients` are open, and `max_per_host` from one host: a connection over either bound
+makes room by closing the oldest idle one (request not complete) of its own host, or of the host
+holding the most, so a flood of idle connections from one pod evicts only its own, never an honest
+peer's handshake (which sends its request at once); with no idle one to close, the newcomer is
+closed. Client misbehaviour is
 counted in `stats` and logged rate-limited. `fetch_peer` bounds a whole attempt by `timeout_s` the
 same way and reads at most what a real PeerInfo can need (wire.MAX_PEER_INFO), so a hostile peer
 cannot stall or flood the engine's handshake either.
@@ -33,11 +38,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvferry.connector import sideauth
 from kvferry.connector.ratelimit import RateLimitedLog
+from kvferry.connector.sideauth import REQUEST, SideAuth
 from kvferry.connector.wire import MAX_PEER_INFO, PeerInfo, WireError, decode
 
 log = logging.getLogger(__name__)
-REQUEST = b"KVF?"
+NO_AUTH = SideAuth(None)
 MAX_PAYLOAD = MAX_PEER_INFO  # computed from the wire's bounds (~4.5 MiB), not a round guess
 _BACKLOG = 128
 _ACCEPT_BATCH = 64  # per wake-up, so a connect flood cannot starve clients already being served
@@ -45,6 +52,7 @@ _ACCEPT_PAUSE_S = 0.1  # after accept() fails (EMFILE...): the listener stays re
 _TICK_S = 1.0  # longest sleep: rate-limited summaries of quiet keys still get out
 _RECV_CHUNK = 1 << 18
 _WAKE = object()
+_REFUSED = "closed without an answer: our proof was refused (not this CR's transfer token?)"
 
 
 class SideChannelError(RuntimeError):
@@ -58,7 +66,8 @@ class SideChannelStats:
     served: int = 0
     refused: int = 0  # over max_clients or max_per_host with no idle client to evict: closed at once
     evicted: int = 0  # idle (request not complete) and closed to make room for a newer connection
-    bad_request: int = 0  # sent something other than REQUEST: closed without an answer
+    bad_request: int = 0  # sent something other than a request: closed without an answer
+    bad_proof: int = 0  # a request whose proof does not answer its nonce: closed without an answer
     timed_out: int = 0  # exchange not finished within deadline_s
     dropped: int = 0  # closed or reset by the client, or a socket error, before the answer was out
 
@@ -71,7 +80,9 @@ class _Client:
     host: str
     deadline: float
     request_by: float  # the request must be complete by then
+    nonce: bytes
     got: bytearray = field(default_factory=bytearray)
+    need: int = sideauth.REQUEST_HEAD  # request bytes expected so far (the head says the rest)
     out: memoryview | None = None  # answer still to send, once the request is complete
 
 
@@ -89,16 +100,20 @@ class SideChannelServer:
         deadline_s: float = 2.0,
         request_s: float = 1.0,
         on_contact: Callable[[], None] | None = None,
+        auth: SideAuth = NO_AUTH,
+        on_auth_failure: Callable[[str], None] | None = None,
     ) -> None:
         """`on_contact` runs (on the server thread) for every accepted connection: a peer fetching our
         metadata is about to connect through NIXL, which needs our agent's progress to complete.
-        `max_per_host`: a TP engine's ranks fetch at once from one pod IP, with retries."""
+        `max_per_host`: a TP engine's ranks fetch at once from one pod IP, with retries.
+        `auth`: the token requests must prove (mode none: any request is answered);
+        `on_auth_failure(reason)` runs on the server thread for every client closed unanswered."""
         if max_clients < 1 or max_per_host < 1 or deadline_s <= 0 or request_s <= 0:
             raise ValueError("max_clients, max_per_host must be >= 1; deadline_s, request_s > 0")
         self.max_clients, self.max_per_host, self.deadline_s = max_clients, max_per_host, deadline_s
         self.request_s = min(request_s, deadline_s)
         self._of_host: dict[str, dict[int, None]] = {}  # host -> its clients' fds, oldest first
-        self._on_contact = on_contact
+        self._on_contact, self._auth, self._on_auth_failure = on_contact, auth, on_auth_failure
         self.stats = SideChannelStats()
         self._payload = struct.pack(">I", len(payload)) + payload
         self._sock = socket.create_server((host, port), reuse_port=False, backlog=_BACKLOG)
@@ -193,10 +208,21 @@ class SideChannelServer:
                 )
                 continue
             conn.setblocking(False)
+            challenge, nonce = self._auth.challenge()
+            try:  # 38 bytes into a fresh socket's empty buffer: all of it, or the client is gone
+                sent = conn.send(challenge)
+            except OSError:
+                sent = 0
+            if sent != len(challenge):
+                self.stats.dropped += 1
+                conn.close()
+                continue
             if self._on_contact is not None:
                 self._on_contact()
             now = time.monotonic()
-            client = _Client(conn, conn.fileno(), peer, host, now + self.deadline_s, now + self.request_s)
+            client = _Client(
+                conn, conn.fileno(), peer, host, now + self.deadline_s, now + self.request_s, nonce
+            )
             self._clients[client.fd] = client
             self._of_host.setdefault(host, {})[client.fd] = None
             self._sel.register(conn, selectors.EVENT_READ, client)
@@ -241,16 +267,26 @@ class SideChannelServer:
             self._drop(c, "client %s dropped: %s", c.peer, exc)
 
     def _read(self, c: _Client) -> None:
-        chunk = c.sock.recv(len(REQUEST) - len(c.got))
+        chunk = c.sock.recv(c.need - len(c.got))
         if not chunk:
-            self._drop(c, "client %s closed after %d of %d request bytes", c.peer, len(c.got), len(REQUEST))
+            self._drop(c, "client %s closed after %d of %d request bytes", c.peer, len(c.got), c.need)
             return
         c.got += chunk
-        if not REQUEST.startswith(c.got):
+        if c.got[: len(REQUEST)] != REQUEST[: len(c.got)]:
             self.stats.bad_request += 1
-            self._close(c)
-            self._warn("bad request", "%s: bad request %r from %s, closed", bytes(c.got), c.peer)
-        elif len(c.got) == len(REQUEST):
+            self._refuse(c, sideauth.MALFORMED)
+            self._warn("bad request", "%s: bad request %r from %s, closed", bytes(c.got[:8]), c.peer)
+            return
+        if len(c.got) == sideauth.REQUEST_HEAD:
+            c.need = sideauth.request_size(bytes(c.got))
+        if len(c.got) < c.need:
+            return
+        if not self._auth.check(c.nonce, bytes(c.got)):
+            self.stats.bad_proof += 1
+            self._refuse(c, sideauth.BAD_PROOF)
+            name = bytes(c.got[sideauth.REQUEST_HEAD : -sideauth.PROOF_BYTES])
+            self._warn("bad proof", "%s: client %s (agent %r) has no valid proof, closed", c.peer, name)
+        else:
             c.out = memoryview(self._payload)
             self._sel.modify(c.sock, selectors.EVENT_WRITE, c)
             self._write(c)  # usually fits the socket buffer: no extra round through select()
@@ -266,10 +302,18 @@ class SideChannelServer:
         late = [c for c in self._clients.values() if now >= (c.request_by if c.out is None else c.deadline)]
         for c in late:
             self.stats.timed_out += 1
+            if c.out is None:
+                self._refuse(c, sideauth.TIMEOUT)
             self._close(c)
             stage = "request" if c.out is None else "answer"
             msg = "%s: client %s timed out after %.1fs (in %s), closed"
             self._limited.log(log, logging.INFO, "timeout", msg, self._where, c.peer, self.deadline_s, stage)
+
+    def _refuse(self, c: _Client, reason: str) -> None:
+        """Close `c` unanswered and count why."""
+        self._close(c)
+        if self._on_auth_failure is not None:
+            self._on_auth_failure(reason)
 
     def _drop(self, c: _Client, msg: str, *args: object) -> None:
         self.stats.dropped += 1
@@ -297,22 +341,24 @@ class SideChannelServer:
         self._limited.flush(force=True)
 
 
-def fetch_peer(host: str, port: int, timeout_s: float) -> PeerInfo:
-    """One attempt, bounded by `timeout_s` in total, to read a peer's PeerInfo; raises
-    SideChannelError naming the peer."""
+def fetch_peer(host: str, port: int, timeout_s: float, auth: SideAuth = NO_AUTH, name: str = "") -> PeerInfo:
+    """One attempt, bounded by `timeout_s` in total, to read a peer's PeerInfo, proving `auth`'s
+    token as agent `name`; raises SideChannelError naming the peer."""
     where = f"side channel {host}:{port}"
     deadline = time.monotonic() + timeout_s
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as conn:
             conn.settimeout(_remaining(deadline))
-            conn.sendall(REQUEST)
-            (size,) = struct.unpack(">I", _recv_exact(conn, 4, deadline))
+            challenge = _recv_exact(conn, sideauth.CHALLENGE_SIZE, deadline)
+            conn.sendall(auth.request(challenge, name))
+            head = _recv_exact(conn, 4, deadline, refused=_REFUSED)
+            (size,) = struct.unpack(">I", head)
             if size > MAX_PAYLOAD:
                 raise SideChannelError(f"payload of {size} bytes is too large")
             info = decode(_recv_exact(conn, size, deadline))
     except OSError as exc:
         raise SideChannelError(f"{where}: {exc}") from None
-    except (WireError, SideChannelError) as exc:
+    except (WireError, SideChannelError, sideauth.AuthError) as exc:
         raise SideChannelError(f"{where}: {exc}") from None
     if not isinstance(info, PeerInfo):
         raise SideChannelError(f"{where}: answered a {type(info).__name__}, not peer info")
@@ -326,11 +372,13 @@ def _remaining(deadline: float) -> float:
     return left
 
 
-def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
+def _recv_exact(conn: socket.socket, n: int, deadline: float, refused: str = "") -> bytes:
     data = bytearray()
     while len(data) < n:
         conn.settimeout(_remaining(deadline))  # the whole read, not each recv: trickling does not help
         chunk = conn.recv(min(n - len(data), _RECV_CHUNK))
+        if not chunk and not data and refused:
+            raise SideChannelError(refused)
         if not chunk:
             raise SideChannelError(f"connection closed after {len(data)} of {n} bytes")
         data += chunk

@@ -20,6 +20,7 @@ PREFILL_HANDOFFS = "kvferry_prefill_handoffs"
 RECEIVE_WAIT_SECONDS = "kvferry_receive_wait_seconds"
 PENDING = "kvferry_pending"
 HANDSHAKES = "kvferry_handshakes"
+PRODUCER_PROBES = "kvferry_producer_probes"  # consumer: liveness checks of silent producers, by result
 PREFLIGHT_OK = "kvferry_preflight_ok"
 PREFIX_TOKENS_HELD = "kvferry_prefix_tokens_held"  # consumer: prompt tokens already cached, not pushed
 PUSHED_TOKENS = "kvferry_pushed_tokens"  # producer: prompt tokens written by completed WRITEs
@@ -29,6 +30,8 @@ ENDPOINT_CPU_SECONDS = "kvferry_endpoint_cpu_seconds"  # CPU time of the endpoin
 STEP_HOOK_SECONDS = "kvferry_step_hook_seconds"  # time in the connector's hooks on vLLM's worker thread
 STEPS = "kvferry_steps"  # engine steps those hooks ran in
 SENTINEL_CHECKS = "kvferry_sentinel_checks"  # consumer: sampled KV checks on landing, by result
+TRANSFER_AUTH = "kvferry_transfer_auth"  # 1 on the side channel's auth mode: token, or none (unauthenticated)
+SIDE_AUTH_FAILURES = "kvferry_side_channel_auth_failures"  # side-channel clients closed unanswered, by reason
 
 # Labels the operator reads.
 BACKEND = "backend"  # on any kvferry_* sample: the NIXL backend that moved the bytes

@@ -19,6 +19,12 @@ CONNECTOR_MODULE = "kvferry.connector"
 # `python3 -m PREFLIGHT_MODULE --startup` runs before vLLM in inject mode.
 PREFLIGHT_MODULE = "kvferry.connector.preflight"
 
+# The CR's transfer token (a Secret the operator creates and mounts read-only into both roles): the
+# side channel answers only clients that prove they hold it (connector/sideauth.py).
+TRANSFER_TOKEN_ENV = "KVFERRY_TRANSFER_TOKEN_FILE"
+TRANSFER_TOKEN_DIR = "/var/run/kvferry/transfer"
+TRANSFER_TOKEN_KEY = "token"  # the Secret's key, the file's name under TRANSFER_TOKEN_DIR
+
 # The router serves its pool's transfer metrics here (router/poolstatus.py); the operator reads it, one
 # request per DisaggregatedInference instead of one per engine pod (operator/status/scrape.py).
 POOL_METRICS_PATH = "/kvferry/pool-metrics"

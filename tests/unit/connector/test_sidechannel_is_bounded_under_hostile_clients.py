@@ -9,13 +9,14 @@ import logging
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import pytest
+from kvferry.connector.sideauth import CHALLENGE_SIZE, SideAuth
 from kvferry.connector.sidechannel import (
     MAX_PAYLOAD,
-    REQUEST,
     SideChannelError,
     SideChannelServer,
     fetch_peer,
@@ -44,9 +45,30 @@ def serving(info: PeerInfo, **kw: float) -> Iterator[SideChannelServer]:
         server.close()
 
 
+CHALLENGES: weakref.WeakKeyDictionary[socket.socket, bytes] = weakref.WeakKeyDictionary()
+
+
 def connect(server: SideChannelServer) -> socket.socket:
+    """A connection whose challenge was read: what follows is the server's answer, if any."""
     conn = socket.create_connection(tuple(server.address), timeout=5.0)
     conn.settimeout(5.0)
+    challenge = bytearray()
+    while len(challenge) < CHALLENGE_SIZE and (chunk := conn.recv(CHALLENGE_SIZE - len(challenge))):
+        challenge += chunk  # a refused newcomer is closed before any challenge
+    CHALLENGES[conn] = bytes(challenge)
+    return conn
+
+
+def request(conn: socket.socket, name: str = "agent-d") -> bytes:
+    """An honest unauthenticated client's request for the challenge `conn` got."""
+    return SideAuth(None).request(CHALLENGES[conn], name)
+
+
+def fake_peer_accept(listener: socket.socket) -> socket.socket:
+    """A hand-written peer: accept, send a challenge, read the request."""
+    conn, _ = listener.accept()
+    conn.sendall(SideAuth(None).challenge()[0])
+    conn.recv(1024)
     return conn
 
 
@@ -90,7 +112,7 @@ def test_garbage_is_closed_without_an_answer_and_serving_goes_on(caplog):
         )
     bad = [r.getMessage() for r in caplog.records if "bad request" in r.getMessage()]
     assert len(bad) == 2, bad  # rate limited: the first, then the count of the others at close()
-    assert "bad request b'GET '" in bad[0]
+    assert "bad request b'GET /'" in bad[0]  # the request's head: 5 bytes
     assert "(and 2 more like this" in bad[1]
 
 
@@ -106,7 +128,7 @@ def test_silent_client_is_dropped_at_the_deadline():
 def test_deadline_is_for_the_whole_exchange_not_each_read():
     with serving(peer_info(), deadline_s=1.0) as server, connect(server) as conn:
         start = time.monotonic()
-        for byte in REQUEST[:3]:  # each byte well within a per-read timeout; the total is not
+        for byte in request(conn)[:3]:  # each byte well within a per-read timeout; the total is not
             conn.sendall(bytes([byte]))
             time.sleep(0.4)
         assert read_until_closed(conn) == b""
@@ -117,9 +139,10 @@ def test_deadline_is_for_the_whole_exchange_not_each_read():
 def test_slow_but_honest_client_within_the_deadline_is_served():
     info = peer_info()
     with serving(info, deadline_s=2.0) as server, connect(server) as conn:
-        for byte in REQUEST:
+        for byte in request(conn)[:12]:
             conn.sendall(bytes([byte]))
             time.sleep(0.05)
+        conn.sendall(request(conn)[12:])
         data = read_until_closed(conn)
         assert int.from_bytes(data[:4], "big") == len(data) - 4 == len(encode(info))
 
@@ -151,8 +174,11 @@ def test_a_flood_of_idle_connections_evicts_its_own_not_the_handshake():
     with serving(info, max_per_host=4, deadline_s=10.0, request_s=10.0) as server, ExitStack() as idle:
         for _ in range(100):  # one host, far over both bounds, never sending a byte
             idle.enter_context(connect(server))
-        wait_until(lambda: server.stats.evicted, "96 evicted", 5, 0.01, until=lambda n: n == 96)
-        assert server.active == 4 and server.stats.refused == 0
+        wait_until(
+            lambda: (server.stats.evicted, server.active), "96 evicted, 4 open", 5, 0.01,
+            until=lambda seen: seen == (96, 4),
+        )  # fmt: skip
+        assert server.stats.refused == 0
         # served within a timeout far below the idle ones' 10 s: one was evicted, nothing queued
         assert fetch_peer("127.0.0.1", server.address[1], timeout_s=2.0) == info
 
@@ -170,7 +196,8 @@ def test_connections_beyond_the_cap_with_none_idle_are_closed_at_once_and_counte
             conn = socket.socket()
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             conn.connect(tuple(server.address))
-            conn.sendall(REQUEST)
+            challenge = conn.recv(CHALLENGE_SIZE, socket.MSG_WAITALL)
+            conn.sendall(SideAuth(None).request(challenge, "busy"))
             busy.enter_context(conn)
         # both requests read, not only accepted: a client still sending its request counts as idle
         wait_until(lambda: server.answering, "answering == 2", 5, 0.01, until=lambda n: n == 2)
@@ -186,9 +213,7 @@ def test_an_answer_larger_than_any_real_peer_info_is_refused_unread():
     with socket.create_server(("127.0.0.1", 0)) as listener:
 
         def lie() -> None:
-            conn, _ = listener.accept()
-            with conn:
-                conn.recv(4)
+            with fake_peer_accept(listener) as conn:
                 conn.sendall((MAX_PAYLOAD + 1).to_bytes(4, "big"))
 
         t = threading.Thread(target=lie)
@@ -219,9 +244,7 @@ def test_fetch_from_a_trickling_peer_gives_up_at_its_timeout():
     stop = threading.Event()
 
     def trickle() -> None:  # a hostile peer: a length, then one byte now and then, forever
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(4)
+        with fake_peer_accept(listener) as conn:
             conn.sendall((1000).to_bytes(4, "big"))
             while not stop.is_set():
                 try:
@@ -247,9 +270,7 @@ def test_peer_closing_early_is_an_error_naming_the_peer():
     listener = socket.create_server(("127.0.0.1", 0))
 
     def hang_up() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(4)
+        with fake_peer_accept(listener) as conn:
             conn.sendall((1000).to_bytes(4, "big") + b"short")
 
     thread = threading.Thread(target=hang_up, daemon=True)
