@@ -128,7 +128,8 @@ def test_a_flood_of_early_notices_is_bounded_in_total_and_per_key():
         assert c.early_notices == sum(len(v) for v in c.early.values()) <= 256
     assert len(c.early) <= 64 and max(len(v) for v in c.early.values()) <= 8
     assert all(a.reason == "unknown_request" for a in c.tick(now=100.0))
-    assert c.pending() == {"receives": 0, "early_notices": 0, "quarantined": 0, "held": 0} and c.early_notices == 0
+    assert c.pending() == {"receives": 0, "early_notices": 0, "quarantined": 0, "held": 0}
+    assert c.early_notices == 0
 
 
 def test_an_expectation_with_a_producer_tp_that_cannot_pair_fails_without_an_entry():

@@ -625,7 +625,9 @@ def test_only_the_engine_that_registered_cancels_a_parked_registration():
     assert p.cancel(KEY, D_ENGINE, 0, now=0.2) == [SendFailure(registration(), "cancelled")]
     # and the stranger's registration for the key it cancelled is refused, ours is not affected
     assert [type(a) for a in p.registration(registration(engine=STRANGER), now=0.3, deadline=5.0)] == [
-        Reject, SendFailure]
+        Reject,
+        SendFailure,
+    ]
 
 
 def test_a_copy_of_a_registration_being_written_is_not_failed():
