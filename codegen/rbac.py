@@ -100,10 +100,11 @@ RULES: list[tuple[list[str], list[str], list[str], str]] = [
     (
         [""],
         ["secrets"],
-        ["get"],
+        ["get", "create"],
         "check that Secrets a CR references exist, reading metadata only (PartialObjectMetadata); "
-        "no list/watch. RBAC cannot narrow get to metadata or to names known only at runtime "
-        "(docs/security.md)",
+        "create each CR's transfer token Secret once (<cr>-transfer-token, owned by the CR; never "
+        "updated or deleted: the GC removes it with the CR). No list/watch/update. RBAC cannot narrow "
+        "get to metadata or either verb to names known only at runtime (docs/security.md)",
     ),
     (
         [""],

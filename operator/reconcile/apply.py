@@ -60,7 +60,9 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
-    "Secret": ("/api/v1", "secrets"),  # read as metadata only (Kube.exists): never the data
+    # read as metadata only (Kube.exists, Kube.metadata): never the data; created only by create_owned
+    # (the CR's transfer token, reconcile/token.py), never updated
+    "Secret": ("/api/v1", "secrets"),
     "DisaggregatedInference": (f"/apis/{GROUP}/{VERSION}", PLURAL),
     "ClusterKopfPeering": ("/apis/kopf.dev/v1", "clusterkopfpeerings"),  # leader election (peering.py)
     "KopfPeering": ("/apis/kopf.dev/v1", "kopfpeerings"),
@@ -286,6 +288,27 @@ class Kube:
             return False
         self._ok(status, data, f"create {obj['kind']} {meta.get('namespace') or ''}/{meta['name']}")
         return True
+
+    def create_owned(self, obj: dict[str, Any], owner_uid: str) -> bool:
+        """Create `obj` (its controller owner reference names `owner_uid`) unless its name is taken;
+        True when this call created it, False when the name holds `owner_uid`'s own object (left as it
+        is: create-if-absent never updates, so a Secret's data is never replaced). Something else of
+        that name raises NotControlled, by `not_controlled` on its metadata (for a Secret the data
+        never arrives). Nothing is written over an existing object."""
+        if self.create_if_missing(obj):
+            return True
+        kind, meta = obj["kind"], obj["metadata"]
+        existing = self.metadata(kind, meta["namespace"], meta["name"])
+        if existing is None:  # deleted since the create's 409: the next reconcile creates it
+            raise KubeError(409, f"create {kind} {meta['namespace']}/{meta['name']}: deleted meanwhile")
+        if (why := not_controlled(existing, owner_uid, kind, "this DisaggregatedInference's")) is not None:
+            raise NotControlled(why)
+        return False
+
+    def metadata(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """An object's metadata only (PartialObjectMetadata: for a Secret, never its data); None if absent."""
+        status, data = self._call("GET", kind, self.path(kind, namespace, name), accept=METADATA_ONLY)
+        return None if status == 404 else self._ok(status, data, f"get {kind} {namespace}/{name} (metadata)")
 
     def serves(self, group: str) -> bool:
         """Whether the API server serves API group `group` (e.g. Kueue is installed). One discovery

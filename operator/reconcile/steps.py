@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvferry.operator.reconcile import secrets
+from kvferry.operator.reconcile import secrets, token
 from kvferry.operator.reconcile.apply import Kube, KubeError, NotControlled, not_ours
 from kvferry.operator.reconcile.drift import drifted, up_to_date
 from kvferry.operator.render.objects import render
@@ -168,6 +168,22 @@ def reconcile(
     if secret_error:
         out.events.append(("Warning", EventReason.SECRET_MISSING, secret_error))
 
+    # Step 1c: the CR's transfer token Secret, created once if absent (random, so never rendered).
+    # Someone else's Secret of its name is a Conflict: the engines would mount a token we never chose.
+    token_errors, token_conflicts = [], []
+    if rendered.spec.kv_transfer.connector == "kvferry":
+        try:
+            token.ensure(kube, cr)
+        except NotControlled as exc:
+            token_conflicts.append(
+                f"{exc}: the engines would mount it as this CR's transfer token; delete or rename it, "
+                "or rename the DisaggregatedInference"
+            )
+        except KubeError as exc:
+            if exc.namespace_terminating:
+                return Outcome(gone=f"namespace {ns} is being deleted")
+            token_errors.append(f"transfer token Secret: {exc}")
+
     # Step 2: server-side apply every object we control; keep going past failures so one bad object
     # blocks nothing. An object of a rendered name that this CR does not control is left untouched:
     # apply writes only over what it has just read as this CR's, on that read's resourceVersion.
@@ -176,7 +192,7 @@ def reconcile(
     except KubeError:  # only a namespace being deleted gets here
         log.info("namespace %s is being deleted: not reconciling %s", ns, name)
         return Outcome(gone=f"namespace {ns} is being deleted")
-    out.failed, out.conflict = "; ".join(errors), "; ".join(conflicts)
+    out.failed, out.conflict = "; ".join(token_errors + errors), "; ".join(token_conflicts + conflicts)
     if out.conflict:
         out.events.append(("Warning", EventReason.CONFLICT, out.conflict))
     if out.failed:

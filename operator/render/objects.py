@@ -181,6 +181,9 @@ def role_context(
         {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
         {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(spec.kv_transfer.side_channel_port)},
     ]
+    token = security.transfer_token(spec, cr_name, plan)  # the side channel answers only its holders
+    if token:
+        identity.append(token["env"])
     labels = names.common_labels(cr_name, role)
     source = model.plan(spec)
     return {
@@ -235,6 +238,7 @@ def role_context(
         ),
         "kv_transfer_json": kv_json,
         "inject": None,  # set by render() for connectorSource inject (injection.py)
+        "transfer_token": token,
         "resource_claim": None,  # set by with_device_claim() for efaAttach dra
     }
 

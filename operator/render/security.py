@@ -24,6 +24,30 @@ RUNTIME_DEFAULT = {"type": "RuntimeDefault"}
 OPERATOR_NAMESPACE = "kvferry-system"  # the chart's documented install namespace (config overrides it)
 
 
+TRANSFER_TOKEN_VOLUME = "kvferry-transfer-token"
+
+
+def transfer_token(spec: Spec, cr_name: str, plan: PodPlan) -> dict[str, Any] | None:
+    """The CR's transfer token Secret (created by the apply step, never rendered: its data is random)
+    as a read-only volume, its mount and the env var that tells the connector where it is; None when
+    the kvferry connector is not used. Mode 0400 for engines running as root (the EFA presets); for
+    any other UID 0444: the kubelet writes the files as root without an fsGroup, and the pod's UID
+    is the image's."""
+    if spec.kv_transfer.connector != "kvferry":
+        return None
+    key = pods.TRANSFER_TOKEN_KEY
+    secret = {
+        "secretName": names.transfer_token_name(cr_name),
+        "items": [{"key": key, "path": key}],
+        "defaultMode": 0o400 if plan.run_as_user == 0 else 0o444,
+    }
+    return {
+        "volume": {"name": TRANSFER_TOKEN_VOLUME, "secret": secret},
+        "mount": {"name": TRANSFER_TOKEN_VOLUME, "mountPath": pods.TRANSFER_TOKEN_DIR, "readOnly": True},
+        "env": {"name": pods.TRANSFER_TOKEN_ENV, "value": f"{pods.TRANSFER_TOKEN_DIR}/{key}"},
+    }
+
+
 def operator_peer(namespace: str) -> dict[str, Any]:
     """The operator's pods (chart labels) in the operator's own namespace: the default metrics reader.
 

@@ -61,6 +61,11 @@ def config_name(cr_name: str) -> str:
     return fit(f"{cr_name}-config")
 
 
+def transfer_token_name(cr_name: str) -> str:
+    """The Secret holding the CR's transfer token (created by the apply step, mounted by both roles)."""
+    return fit(f"{cr_name}-transfer-token")
+
+
 def service_name(cr_name: str) -> str:
     """The client-facing Service (the endpoint) carries the CR's own name."""
     return fit(cr_name)

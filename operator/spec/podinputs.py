@@ -77,6 +77,7 @@ RESERVED_ENV = (
     "POD_IP",
     "VLLM_NIXL_SIDE_CHANNEL_HOST",
     "VLLM_NIXL_SIDE_CHANNEL_PORT",
+    "KVFERRY_TRANSFER_TOKEN_FILE",  # contracts.pods.TRANSFER_TOKEN_ENV: where the CR's token is mounted
 )
 # EnvVar items: `name` declared (so CEL can read it), the rest kept as given.
 ENV_ITEM_SCHEMA: dict[str, Any] = {
@@ -96,7 +97,7 @@ def reserved_env_in(env: list[Any]) -> list[str]:
 
 RESERVED_ENV_MESSAGE = (
     f"must not set {', '.join(RESERVED_ENV)}: the operator sets them for the engine's identity (its pod "
-    "name and the address the NIXL side channel binds and advertises)"
+    "name, the address the NIXL side channel binds and advertises, and its transfer token's file)"
 )
 
 # ---- images: a tag, a digest, or both ----

@@ -47,7 +47,8 @@ OPERATOR_ALLOWED = (
     | triples("policy", ("poddisruptionbudgets",), CRUD)
     | triples("rbac.authorization.k8s.io", ("roles", "rolebindings"), CRUD)
     | triples("networking.k8s.io", ("networkpolicies",), CRUD)
-    | triples("", ("secrets",), ("get",))  # existence check, metadata only; never list/watch
+    # existence check, metadata only; create: each CR's transfer token once. Never list/watch/update
+    | triples("", ("secrets",), ("get", "create"))
     | triples("", ("pods",), READ)
     # the EC2 network-node labels of an engine pod's node, copied onto the pod (operator/reconcile/network.py)
     | triples("", ("pods",), ("patch",))

@@ -74,12 +74,13 @@
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch]
-# check that Secrets a CR references exist, reading metadata only (PartialObjectMetadata); no
-# list/watch. RBAC cannot narrow get to metadata or to names known only at runtime
-# (docs/security.md)
+# check that Secrets a CR references exist, reading metadata only (PartialObjectMetadata); create
+# each CR's transfer token Secret once (<cr>-transfer-token, owned by the CR; never updated or
+# deleted: the GC removes it with the CR). No list/watch/update. RBAC cannot narrow get to metadata
+# or either verb to names known only at runtime (docs/security.md)
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get]
+  verbs: [get, create]
 # find engine pods to read their metrics; also required to grant the router pods get/list/watch
 # (RBAC lets a subject grant only what it holds)
 - apiGroups: [""]

@@ -55,6 +55,9 @@ class CountingKube:
     def exists(self, kind: str, namespace: str, name: str) -> bool:
         return True
 
+    def create_owned(self, obj: dict[str, Any], owner_uid: str) -> bool:  # the transfer token Secret
+        return False
+
     def serves(self, group: str) -> bool:
         return False  # no optional API groups installed
 

@@ -140,7 +140,8 @@ def test_graceful_drain_covers_the_lease_on_prefill() -> None:
         prefill["terminationGracePeriodSeconds"]
         > drain + prefill["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
     )
-    assert prefill["volumes"][0]["emptyDir"]["medium"] == "Memory"
+    dshm = next(v for v in prefill["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"]["medium"] == "Memory"
 
 
 def test_names_are_truncated_to_63_with_a_hash() -> None:

@@ -47,6 +47,10 @@ class FakeKube:
     def exists(self, kind: str, namespace: str, name: str) -> bool:
         return name in self.secrets
 
+    def create_owned(self, obj: dict[str, Any], owner_uid: str) -> bool:  # the transfer token
+        self.secrets.add(obj["metadata"]["name"])
+        return True
+
     def serves(self, group: str) -> bool:
         return False  # no gang admission API (Kueue, coscheduling) installed
 
