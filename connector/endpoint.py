@@ -48,6 +48,7 @@ from kvferry.connector.wire import (
     Failure,
     PeerInfo,
     Registration,
+    decode,
     encode,
     layout_to_wire,
 )
@@ -334,11 +335,16 @@ class Endpoint:
         )  # fmt: skip
 
     def _teardown(self) -> None:
-        if self.side is not None:
-            self.side.close()
-        if self.transport is not None and not self._fenced:
+        if self._fenced:
+            # Neither the agent nor its side channel is touched: a consumer holding blocks for our
+            # stuck WRITE reads "nothing listens there" as "its producer is gone", which is only
+            # true once this process (and with it the agent and the WRITE) has ended.
+            return
+        if self.transport is not None:
             self.writes.release_all(self.transport)
             self.transport.close()
+        if self.side is not None:  # after the agent, for the same reason
+            self.side.close()
 
     def _contacted(self) -> None:
         self._contact_until = time.monotonic() + CONTACT_WINDOW_S
@@ -439,17 +445,36 @@ class Endpoint:
     def _on_message(self, sender_agent: str, raw: bytes, now: float) -> list[A.Action]:
         msg = admit(raw, sender_agent, self.role, self.cfg.revision)
         if isinstance(msg, A.Reject):
+            if msg.reason == "wrong_revision" and self.role == "producer":
+                self._refuse_other_revision(sender_agent, raw)
             return [msg]
         if isinstance(msg, Registration):
             # Wall clock across hosts (NTP-synced; the consumer's grace_s covers the skew), ours after.
             return self.producer.registration(msg, now, now + msg.deadline_unix - time.time())
         if isinstance(msg, Cancel):
             key = (msg.request_id, msg.attempt)
-            return self.producer.cancel(key, msg.consumer_engine, msg.consumer_rank, now)
+            out = self.producer.cancel(key, msg.consumer_engine, msg.consumer_rank, now)
+            if any(isinstance(a, A.NothingInFlight) for a in out):
+                # to the canceller's agent only (intake bound its rank to that agent's name)
+                answer = Failure(*key, self.engine_id, self.tp_rank, "cancelled", self.cfg.revision)
+                self.notifier.send(sender_agent, encode(answer), "")
+            return [a for a in out if not isinstance(a, A.NothingInFlight)]
         if isinstance(msg, Done) and msg.sample and not self._sample_holds(msg):
             msg = Failure(msg.request_id, msg.attempt, msg.producer_engine, msg.producer_rank,
                           SAMPLE_MISMATCH, msg.revision)  # fmt: skip
         return self.consumer.notice(msg, now)
+
+    def _refuse_other_revision(self, sender_agent: str, raw: bytes) -> None:
+        """A consumer of another revision never gets KV from us, but always an answer: it holds its
+        blocks until each producer rank answered or is gone. Unverified peers are reached only the
+        bounded way (notify.py: a known agent, or one suspect handshake at a time)."""
+        msg = decode(raw)  # admit() decoded it already: well-formed, bound to its sender's name
+        if isinstance(msg, Registration):
+            self.notifier.failure(msg, "wrong_revision", verified=False)
+        elif isinstance(msg, Cancel):
+            answer = Failure(msg.request_id, msg.attempt, self.engine_id, self.tp_rank, "wrong_revision",
+                             self.cfg.revision)  # fmt: skip
+            self.notifier.send(sender_agent, encode(answer), "")
 
     def _sample_holds(self, done: Done) -> bool:
         """Consumer: the sampled tokens' KV in our blocks is what the producer digested (sentinel.py)."""
@@ -520,15 +545,15 @@ class Endpoint:
             )
         elif isinstance(action, A.Register | A.SendCancel):
             self._to_producers(action, now)
+        elif isinstance(action, A.ProbeProducers):
+            self._probe_producers(action)
         elif isinstance(action, A.Received):
             self._recv.pop(action.key, None)
             self.metrics.record("transfers", 1, self.role)
             self.metrics.record("receive_wait", action.wait_s)
             self._publish(lambda r: r.received.append(action.key))
         elif isinstance(action, A.Failed):
-            info = self._recv.pop(action.key, None)
-            for rank in action.silent if info is not None else ():
-                self.peers.forget_address(info[0], info[1] + rank)  # re-handshake before the next use
+            self._recv.pop(action.key, None)
             self.metrics.record("failures", 1, self.role, action.reason)
             log_limited(log, logging.WARNING, ("failed", failure_reason(action.reason)),
                         "kvferry: receive of %s failed: %.80s", action.key, action.reason)  # fmt: skip
@@ -590,6 +615,38 @@ class Endpoint:
             return
         fail = partial(self._registration_failed, action.key, expected.producer_engine)
         self.notifier.to_producers(action, info, expected.producer_engine, expected.deadline, now, fail)
+
+    def _probe_producers(self, action: A.ProbeProducers) -> None:
+        """A receive held past its deadline + grace: is each silent producer rank still there?
+        Gone (nothing listens, or another incarnation does): unload its agent so nothing more of it
+        lands, and let the core count it answered once the bytes on their way are in. Alive: cancel
+        again (a lost Cancel, or one it had no registration for). Unknown: keep holding."""
+        info, expected = self._recv.get(action.key), self.consumer.expected.get(action.key)
+        if info is None or expected is None:
+            return
+        log_limited(log, logging.WARNING, "held", "kvferry: receive %s is held past its deadline: producer "
+                    "%s ranks %s never answered; its blocks stay out of use until they do or are seen gone",
+                    action.key, expected.producer_engine, list(action.producer_ranks))  # fmt: skip
+        for rank in action.producer_ranks:
+            then = partial(self._probed, action.key, rank)
+            self.peers.probe(info[0], info[1] + rank, expected.producer_engine, then)
+
+    def _probed(self, key: Key, rank: int, verdict: str, agent: str | None) -> None:
+        now = time.monotonic()
+        self.metrics.record("probes", 1, verdict)
+        if verdict == "gone":
+            if agent is not None and agent in self.transport.peers:
+                try:
+                    self.transport.forget_peer(agent)
+                except Exception as exc:  # a dead peer may refuse removal; drop it from our maps anyway
+                    log.debug("unloading gone peer agent %s: %s", agent, exc)
+                    self.transport.peers.pop(agent, None)
+            info = self._recv.get(key)
+            if info is not None:
+                self.peers.forget_address(info[0], info[1] + rank)
+            self._feed(self.consumer.producer_gone(key, rank, now), now)
+        elif verdict == "alive":
+            self._to_producers(A.SendCancel(key, (rank,)), now)
 
     def _registration_failed(self, key: Key, engine: str, rank: int, why: str) -> None:
         """Producer rank `rank` will never see our registration: count it as its Failure."""

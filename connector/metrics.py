@@ -22,10 +22,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 # (a made-up reason per message would otherwise create a time series per message).
 FAILURE_REASONS = frozenset(
     (
-        "cancelled", "deadline", "duplicate", "failed", "handshake_failed", "lease_expired",
+        "cancelled", "deadline", "duplicate", "failed", "handshake_failed", "held_full", "lease_expired",
         "malformed", "model_mismatch", "null_block", "overflow", "overloaded", "prefill_aborted",
-        "producer_overloaded", "registration_expired", "rejected", "superseded", "token_mismatch",
-        "transfer_failed", "write_failed", "write_stuck", names.LAYOUT_MISMATCH, names.SAMPLE_MISMATCH,
+        "producer_gone", "producer_overloaded", "registration_expired", "rejected", "superseded",
+        "token_mismatch", "transfer_failed", "write_failed", "write_stuck", "wrong_revision",
+        names.LAYOUT_MISMATCH,
+        names.SAMPLE_MISMATCH,
     )
 )  # fmt: skip
 
@@ -201,6 +203,13 @@ SPECS = (
         "Side-channel clients closed without an answer, by reason (bad_proof: not this CR's transfer "
         "token; malformed; timeout: no complete request within its time)",
         ("reason",),
+    ),
+    Spec(
+        "probes",
+        Counter,
+        names.PRODUCER_PROBES,
+        "Consumer: side-channel checks of producer ranks a held receive waits for (gone, alive, unknown)",
+        ("result",),
     ),
     Spec(
         "preflight",

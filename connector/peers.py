@@ -23,12 +23,13 @@ from kvferry.connector.config import KvferryConfig
 from kvferry.connector.metrics import Metrics
 from kvferry.connector.ratelimit import log_limited
 from kvferry.connector.sideauth import SideAuth
-from kvferry.connector.sidechannel import NO_AUTH, SideChannelError, fetch_peer
+from kvferry.connector.sidechannel import NO_AUTH, PeerRefused, SideChannelError, fetch_peer
 from kvferry.connector.transport import NixlTransport
 from kvferry.connector.wire import PeerInfo, layout_from_wire
 
 log = logging.getLogger(__name__)
 Then = Callable[[str | None, str], None]
+Verdict = Callable[[str, str | None], None]  # (gone | alive | unknown, the agent we knew there)
 Addr = tuple[str, int]
 MAX_FETCHES = 64  # addresses being fetched at once (a decode's producer ranks, a prefill's consumers)
 MAX_WAITERS = 1024  # continuations waiting on one fetch
@@ -53,6 +54,9 @@ class Peers:
         self._fetches: dict[Addr, tuple[Future[PeerInfo], list[Then]]] = {}
         self._known: dict[Addr, tuple[str, str]] = {}  # address -> (incarnation, agent name)
         self._used: dict[Addr, float] = {}  # address -> last use (monotonic)
+        # address -> (incarnation, agent) last loaded there, kept when forgotten: a probe compares
+        self._loaded: dict[Addr, tuple[str, str]] = {}
+        self._probes: dict[Addr, tuple[Future[str], str | None, list[Verdict]]] = {}
 
     @property
     def fetching(self) -> int:
@@ -88,6 +92,34 @@ class Peers:
         future.add_done_callback(lambda _: self._wake())
         self._fetches[(host, port)] = (future, [then])
 
+    def probe(self, host: str, port: int, engine: str, then: Verdict) -> None:
+        """One check (bounded by handshake_timeout_s, not retried) of whether the agent we loaded for
+        host:port still serves there: then("gone", agent) when nothing listens there or another
+        engine or incarnation does, ("alive", agent) when it does, ("unknown", agent) when the check
+        proves neither (a timeout: a frozen peer may resume). Runs on the endpoint thread in finish()."""
+        loaded = self._loaded.get((host, port))
+        agent = loaded[1] if loaded else None
+        if (host, port) in self._probes:
+            self._probes[(host, port)][2].append(then)
+            return
+        if len(self._probes) >= MAX_FETCHES:
+            then("unknown", agent)
+            return
+        future = self._pool.submit(self._probe, host, port, engine, loaded[0] if loaded else None)
+        future.add_done_callback(lambda _: self._wake())
+        self._probes[(host, port)] = (future, agent, [then])
+
+    def _probe(self, host: str, port: int, engine: str, incarnation: str | None) -> str:
+        try:
+            info = fetch_peer(host, port, self.cfg.handshake_timeout_s, self._auth, self._name)
+        except PeerRefused:
+            return "gone"
+        except SideChannelError:
+            return "unknown"
+        if info.engine_id != engine or (incarnation is not None and info.incarnation != incarnation):
+            return "gone"  # the address now serves another process: the one we wrote with is gone
+        return "alive"
+
     def known(self, host: str, port: int, incarnation: str) -> str | None:
         """The agent already loaded for host:port if it is that incarnation (no fetch, no I/O)."""
         cached = self._known.get((host, port))
@@ -110,6 +142,7 @@ class Peers:
                 known = self._known.get(addr)
                 if known is None or known[1] not in busy:
                     self._known.pop(addr, None)
+                    self._loaded.pop(addr, None)
                     del self._used[addr]
         live = {agent for _, agent in self._known.values()} | busy
         gone = [agent for agent in transport.peers if agent not in live]
@@ -156,6 +189,7 @@ class Peers:
                 layout = layout_from_wire(info.layout, info.layout_fingerprint)
                 agent = transport.load_peer(info.agent_metadata, layout, info.agent_name)
                 self._known[addr] = (info.incarnation, agent)  # a replaced agent: prune() unloads it
+                self._loaded[addr] = (info.incarnation, agent)
                 self.metrics.record("handshakes", 1, "ok")
             except Exception as exc:  # any failure fails the waiting transfers, never the thread
                 err = str(exc)
@@ -166,6 +200,21 @@ class Peers:
                     then(agent, err)
                 except Exception:  # a continuation's bug must not stop the endpoint thread
                     log.exception("kvferry: continuation for peer %s:%d failed", *addr)
+        return self._finish_probes() or bool(done)
+
+    def _finish_probes(self) -> bool:
+        done = [addr for addr, (future, _, _) in self._probes.items() if future.done()]
+        for addr in done:
+            future, agent, waiters = self._probes.pop(addr)
+            try:
+                verdict = future.result()
+            except Exception:  # a probe that raised proves nothing
+                verdict = "unknown"
+            for then in waiters:
+                try:
+                    then(verdict, agent)
+                except Exception:
+                    log.exception("kvferry: probe continuation for peer %s:%d failed", *addr)
         return bool(done)
 
     def close(self) -> None:

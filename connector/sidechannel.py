@@ -59,6 +59,11 @@ class SideChannelError(RuntimeError):
     """The peer's side channel could not be reached or answered garbage."""
 
 
+class PeerRefused(SideChannelError):
+    """Nothing listens at the peer's side-channel address (connection refused): the process that
+    served it is gone. A timeout is not this: a frozen or slow peer may still be alive."""
+
+
 @dataclass
 class SideChannelStats:
     """Connection outcomes since start; written by the server thread only."""
@@ -356,6 +361,8 @@ def fetch_peer(host: str, port: int, timeout_s: float, auth: SideAuth = NO_AUTH,
             if size > MAX_PAYLOAD:
                 raise SideChannelError(f"payload of {size} bytes is too large")
             info = decode(_recv_exact(conn, size, deadline))
+    except ConnectionRefusedError as exc:
+        raise PeerRefused(f"{where}: {exc}") from None
     except OSError as exc:
         raise SideChannelError(f"{where}: {exc}") from None
     except (WireError, SideChannelError, sideauth.AuthError) as exc:
