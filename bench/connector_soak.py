@@ -210,9 +210,11 @@ class Soak:
             "finished": max(len(x.finished) for x in p),
             "parked": max(len(x.parked) for x in p),
             "ended": max(len(x.ended) for x in p),
+            "cancelled": max(len(x.cancelled) for x in p),
             "expected": max(len(x.expected) for x in c),
             "early_keys": max(len(x.early) for x in c),
             "early_notices": max(x.early_notices for x in c),
+            "held": max(x.held for x in c),
         }
 
 
