@@ -33,6 +33,7 @@ Stored = Callable[[str, str], dict[str, Any] | None]
 # edited. (The resync compares with the watch's copies: every rendered kind is watched, so an edit of
 # a kind without an event handler, a PDB or a Role, shows in its copy and is re-applied then.)
 APPLY_ALL = ("drift",)
+ENGINE_WORKLOADS = ("StatefulSet", "LeaderWorkerSet")  # the kinds whose pods mount the transfer token
 
 
 def nothing_stored(_kind: str, _name: str) -> dict[str, Any] | None:
@@ -188,7 +189,10 @@ def reconcile(
     # blocks nothing. An object of a rendered name that this CR does not control is left untouched:
     # apply writes only over what it has just read as this CR's, on that read's resourceVersion.
     try:
-        applied, errors, conflicts = apply_all(kube, rendered.objects, stored, cfg, out)
+        objects = rendered.objects
+        if token_conflicts:  # no engine pods that would mount a token someone else chose
+            objects = [o for o in objects if o["kind"] not in ENGINE_WORKLOADS]
+        applied, errors, conflicts = apply_all(kube, objects, stored, cfg, out)
     except KubeError:  # only a namespace being deleted gets here
         log.info("namespace %s is being deleted: not reconciling %s", ns, name)
         return Outcome(gone=f"namespace {ns} is being deleted")

@@ -61,6 +61,10 @@ def test_a_foreign_secret_of_the_token_name_is_a_conflict_and_left_alone(cluster
     assert "Secret theirs-transfer-token" in message and "transfer token" in message, message
     assert "delete or rename it" in message, message  # the fix
     assert cluster.condition("theirs", "Ready")["status"] == "False"
+    wait_until(lambda: cluster.get("service", "theirs-prefill"), "the CR's other objects applied")
+    # no engine pods that would mount a token someone else chose
+    assert cluster.get("statefulset", "theirs-prefill") is None
+    assert cluster.get("statefulset", "theirs-decode") is None
     stored = cluster.get("secret", "theirs-transfer-token")
     assert not stored["metadata"].get("ownerReferences")
     assert base64.b64decode(stored["data"]["token"]) == b"chosen-by-b"
