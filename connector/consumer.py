@@ -30,6 +30,7 @@ from kvferry.connector.actions import (
 from kvferry.connector.layout import LayoutError, overlapping_ranks
 from kvferry.connector.limits import DEFAULT_LIMITS, TICK_BUDGET, Limits
 from kvferry.connector.wire import Done, Failure
+from kvferry.contracts.metrics import HELD
 
 
 # ---- consumer -----------------------------------------------------------------------------------
@@ -190,7 +191,7 @@ class ConsumerCore:
             "receives": len(self.expected),
             "early_notices": len(self.early),
             "quarantined": quarantined,
-            "held": self.held,
+            HELD: self.held,
         }
 
     def _outstanding(self, entry: _Expected) -> tuple[int, ...]:

@@ -37,11 +37,14 @@ SIDE_AUTH_FAILURES = "kvferry_side_channel_auth_failures"  # side-channel client
 BACKEND = "backend"  # on any kvferry_* sample: the NIXL backend that moved the bytes
 REASON = "reason"  # on TRANSFER_FAILURES
 CHECK = "check"  # on PREFLIGHT_OK
+KIND = "kind"  # on PENDING: which bounded map
 
 # Label values the operator acts on.
 LAYOUT_MISMATCH = "layout_mismatch"  # TRANSFER_FAILURES reason: P's and D's KV layouts cannot be mapped
 # TRANSFER_FAILURES reason (consumer): the sentinel's sampled KV in decode's blocks is not what prefill sent
 SAMPLE_MISMATCH = "sample_mismatch"
+# PENDING kind (consumer): receives held past deadline + grace for a producer that never answered
+HELD = "held"
 CHECK_BACKEND = "backend_"  # PREFLIGHT_OK check prefix + NIXL backend name: 1 when its plugin loaded
 CHECK_UCX_ON_EFA = "ucx_on_efa"  # PREFLIGHT_OK check: 0 when UCX was chosen on a host with EFA devices
 CHECK_MEMLOCK = "memlock"  # PREFLIGHT_OK check: 0 when LIBFABRIC cannot lock memory (ulimit -l, no IPC_LOCK)

@@ -49,6 +49,11 @@ class TransferStatus:
     prefix_query_tokens: int = f("Prompt tokens looked up there (vllm:prefix_cache_queries).", 0)
     layout_mismatches: int = f("Transfers refused because P's and D's KV layouts cannot be mapped.", 0)
     sample_mismatches: int = f("Receives whose sampled KV was not what prefill sent (the sentinel).", 0)
+    held_receives: int = f(
+        "Decode receives whose blocks are held for a producer that never answered past the deadline "
+        "(a bounded leak: they are never reused while that producer may still write).",
+        0,
+    )
     last_failure: str = f("Reason label of the most recent failures.", "")
     last_failure_time: str = f("When failures last increased.", "")
     scraped_pods: int = f("Pods whose metrics were read in the last scrape.", 0)

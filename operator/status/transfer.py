@@ -46,6 +46,7 @@ class Sample:
     backends: set[str] = field(default_factory=set)
     ucx_on_efa: bool = False
     failed_checks: set[str] = field(default_factory=set)  # other start-up checks at 0 (e.g. efa_device)
+    held: float = 0.0  # decode receives held for a producer that never answered (a bounded leak)
 
 
 # Failure reasons a verdict depends on: kept whatever else a text reports (metricstext.reason).
@@ -67,6 +68,8 @@ def parse(text: str) -> Sample:
             out.ucx_on_efa |= check == m.CHECK_UCX_ON_EFA and s.value == 0
             if s.value == 0 and check != m.CHECK_UCX_ON_EFA:
                 out.failed_checks.add(check)
+        elif s.name == m.PENDING and s.labels.get(m.KIND) == m.HELD:
+            out.held += s.value
         elif s.name in TRANSFERS:
             out.transfers += s.value
         elif s.name in FAILURES:
@@ -94,6 +97,7 @@ def merge(samples: list[Sample]) -> Sample:
     for s in samples:
         total.transfers += s.transfers
         total.failures += s.failures
+        total.held += s.held
         for k, v in s.failures_by_reason.items():
             total.failures_by_reason[k] = total.failures_by_reason.get(k, 0) + v
         for le, v in s.buckets.items():
@@ -266,6 +270,7 @@ def summarize(
         "localTokens": int(consumer.local_tokens),
         "layoutMismatches": int(layout_refusals(producer, consumer)),
         "sampleMismatches": int(sample_mismatches(consumer)),
+        "heldReceives": int(consumer.held),
         "externalTokens": int(consumer.external_tokens),
         "prefixHitRate": hit_rate(prefix_hits, prefix_queries),
         "prefixHitTokens": int(prefix_hits),

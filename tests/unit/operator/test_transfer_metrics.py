@@ -125,3 +125,23 @@ def test_a_failed_start_up_check_makes_transfers_unhealthy_naming_role_and_check
     status, reason, message = _run([ok], [no_efa])[1]
     assert (status, reason) == ("False", Reason.PREFLIGHT_FAILED)
     assert "decode efa_device" in message and "prefill" not in message
+
+
+def test_receives_decode_holds_for_a_silent_producer_are_counted_from_the_connectors_gauge() -> None:
+    """The connector's own pending gauge, as the consumer core names it, summed over decode pods."""
+    from kvferry.connector.consumer import ConsumerCore
+    from kvferry.connector.metrics import Metrics
+    from prometheus_client import generate_latest
+
+    core = ConsumerCore(total_heads=4, rank=0, tp_size=1)
+    core.expect(("r", 0), "p0", producer_tp=1, deadline_s=1, now=0.0)
+    core.tick(now=1.0)
+    core.tick(now=1.0 + core.limits.grace_s)  # past deadline + grace, the producer silent: held
+    gauge = Metrics()
+    for kind, n in core.pending().items():
+        gauge.record("pending", n, "consumer", kind, "0")
+    text = generate_latest(gauge.registry).decode()
+    summary, _ = _run([metrics(10)], [metrics(0) + text, metrics(0) + text])
+    assert summary["heldReceives"] == 2
+    summary, _ = _run([metrics(10)], [metrics(0)])
+    assert summary["heldReceives"] == 0
