@@ -1,16 +1,16 @@
 """protocol: a hypothesis state machine drives producer and consumer cores against each other.
 
 One producer engine (TP ranks, one ProducerCore each) and one consumer engine (one ConsumerCore a
-rank) share a fake clock and a lossy, reordering, duplicating network, wired the way endpoint.py
-wires them: Register/SendCancel become Registration/Cancel messages, StartWrite a WRITE that is
-handshaken, posted (after the endpoint's deadline re-check) and completed, its Done carried to the
-consumer; SendFailure a Failure. Rules also crash either engine, advance the clock past leases,
-TTLs, deadlines and grace_s, and send stale or foreign messages (older attempts, ended or unknown
-keys, another engine's messages; revisions are checked before the cores, by intake.admit), and
-hostile ones: registrations with ranks outside the TP, a TP that does not divide the heads or a rank
-sharing no heads (each must be refused with no state changed and nothing sent), and floods of
-notices for made-up keys and ranks (bounded in total and per key). Checked after every step and at
-the end of every run:
+rank) share a fake clock and a lossy, reordering, duplicating network, wired the way the endpoint's
+sides (producing.py, consuming.py) wire them: Register/SendCancel become Registration/Cancel
+messages, StartWrite a WRITE that is handshaken, posted (after the endpoint's deadline re-check) and
+completed, its Done carried to the consumer; SendFailure a Failure. Rules also crash either engine,
+advance the clock past leases, TTLs, deadlines and grace_s, and send stale or foreign messages
+(older attempts, ended or unknown keys, another engine's messages; revisions are checked before the
+cores, by intake.admit), and hostile ones: registrations with ranks outside the TP, a TP that does
+not divide the heads or a rank sharing no heads (each must be refused with no state changed and
+nothing sent), and floods of notices for made-up keys and ranks (bounded in total and per key).
+Checked after every step and at the end of every run:
 
   * each key ends exactly once: a hand-over (prefill_finished) is Released once; an accepted
     receive (expect) ends once, in Received or Failed; Received only when every producer rank's
@@ -190,7 +190,7 @@ class Transfers(RuleBasedStateMachine):
                 for prank in a.producer_ranks:
                     self.net.append(Msg("P", prank, Cancel(a.key[0], a.key[1], D_ENGINE, crank)))
             elif isinstance(a, ProbeProducers):
-                # endpoint.py: a producer engine restarted since the receive began is gone (its
+                # consuming.py: a producer engine restarted since the receive began is gone (its
                 # WRITEs died with it); one still there is cancelled again
                 assert self.now >= core.expected[a.key].deadline + self.climits.grace_s, a
                 for prank in a.producer_ranks:
@@ -321,7 +321,7 @@ class Transfers(RuleBasedStateMachine):
     def _post(self, w, handshake_ok):
         if not handshake_ok or w.cgen != self.cgen:  # peer unreachable (or a dead consumer)
             self._write_ends(w, False, "handshake_failed")
-        elif self.now >= w.deadline:  # endpoint._start_write re-checks the deadline before posting
+        elif self.now >= w.deadline:  # ProducerSide._start_write re-checks the deadline before posting
             self._write_ends(w, False, "deadline")
         else:
             state = self.recv.get((w.crank, w.key))
